@@ -1,0 +1,1 @@
+"""Everything about the cluster: resources, profiles, executors, the distributed contract, requeue."""

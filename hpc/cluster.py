@@ -1,0 +1,339 @@
+"""A real single-node Slurm cluster on this host, for development and tests.
+
+``clipforge cluster up`` installs what is missing from Debian, writes a config
+under one directory, and starts munged, MariaDB + slurmdbd (for ``sacct``),
+slurmctld and slurmd by hand (the machines we develop on have no systemd).
+Everything it starts is recorded as a pid file in that directory, so ``down``
+stops exactly what ``up`` started, and ``up`` is idempotent.
+
+Clients find the cluster through ``SLURM_CONF``; without it every command
+fails with "DNS SRV lookup failed".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIR = Path(os.environ.get("CLIPFORGE_CLUSTER_DIR", "/tmp/clipforge-slurm"))
+DEBIAN_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "libpmix-dev"]
+ACCOUNTING_PACKAGES = ["slurmdbd", "mariadb-server"]
+# Each daemon, in start order; "down" stops them in reverse.
+DAEMONS = ["munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd"]
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not be brought up; the message says what to look at."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCluster:
+    """Where the single-node cluster lives and how it is shaped."""
+
+    root: Path = DEFAULT_DIR
+    cpus: int = 8
+    """CPUs the node declares (``config_overrides`` lets it claim more than the host has)."""
+    memory_mb: int = 16000
+    accounting: bool = True
+    """Run slurmdbd + MariaDB so that ``sacct`` (and so submitit's job states) work."""
+    ctld_port: int = 6817
+    slurmd_port: int = 6818
+    dbd_port: int = 6819
+    mysql_port: int = 3316
+    name: str = "clipforge"
+
+    # -- paths ---------------------------------------------------------------
+    @property
+    def conf(self) -> Path:
+        return self.root / "etc" / "slurm.conf"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.root / "munge" / "munge.socket"
+
+    @property
+    def mysql_socket(self) -> Path:
+        return self.root / "mysql" / "mysqld.sock"
+
+    def pid_file(self, daemon: str) -> Path:
+        return self.root / "run" / f"{daemon}.pid"
+
+    def log_file(self, daemon: str) -> Path:
+        return self.root / "log" / f"{daemon}.log"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs in its environment to talk to this cluster."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    # -- lifecycle -------------------------------------------------------------
+    def up(self) -> None:
+        """Install, configure and start whatever is not yet running."""
+        install_packages(DEBIAN_PACKAGES + (ACCOUNTING_PACKAGES if self.accounting else []))
+        for sub in ("etc", "state", "spool", "log", "run"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._start_munged()
+        if self.accounting:
+            self._start_mariadb()
+            self._start_slurmdbd()
+        self._write_slurm_conf()
+        self._start("slurmctld", ["slurmctld", "-f", str(self.conf)])
+        self._wait_for(lambda: self._client_ok(["scontrol", "ping"]), "slurmctld", timeout=30)
+        self._start("slurmd", ["slurmd", "-f", str(self.conf)])
+        self._wait_for(self._node_ready, "slurmd", timeout=60)
+        log.info("Slurm cluster %r is up: export SLURM_CONF=%s", self.name, self.conf)
+
+    def down(self) -> None:
+        """Stop every daemon that ``up`` started (state stays for the next ``up``)."""
+        for daemon in reversed(DAEMONS):
+            pid = self._pid(daemon)
+            if pid is None:
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 20
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            self.pid_file(daemon).unlink(missing_ok=True)
+
+    def status(self) -> dict[str, bool]:
+        """Which daemons are running, by name."""
+        wanted = DAEMONS if self.accounting else [d for d in DAEMONS if d not in ("mariadbd", "slurmdbd")]
+        return {d: self._pid(d) is not None for d in wanted}
+
+    def is_up(self) -> bool:
+        return all(self.status().values()) and self._node_ready()
+
+    # -- daemons ---------------------------------------------------------------
+    def _start_munged(self) -> None:
+        if self._pid("munged"):
+            return
+        key = Path("/etc/munge/munge.key")
+        if not key.exists():
+            subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True)
+            shutil.chown(key, "munge", "munge")
+        sock_dir = self.munge_socket.parent
+        sock_dir.mkdir(parents=True, exist_ok=True)
+        shutil.chown(sock_dir, "munge", "munge")
+        sock_dir.chmod(0o755)
+        # munged refuses a pid or log file in a directory that others can write to,
+        # so both live next to its socket, owned by munge.
+        subprocess.run(
+            ["runuser", "-u", "munge", "--", "munged", f"--socket={self.munge_socket}",
+             f"--pid-file={sock_dir / 'munged.pid'}", f"--log-file={sock_dir / 'munged.log'}",
+             f"--seed-file={sock_dir / 'munged.seed'}", "--force"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        self._wait_for(lambda: (sock_dir / "munged.pid").exists(), "munged", timeout=10)
+        shutil.copy(sock_dir / "munged.pid", self.pid_file("munged"))
+
+    def _start_mariadb(self) -> None:
+        if self._pid("mariadbd"):
+            return
+        data = self.root / "mysql" / "data"
+        first = not data.exists()
+        self.mysql_socket.parent.mkdir(parents=True, exist_ok=True)
+        if first:
+            subprocess.run(
+                ["mariadb-install-db", "--user=root", f"--datadir={data}",
+                 "--auth-root-authentication-method=socket", "--skip-test-db"],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+        with open(self.log_file("mariadbd"), "ab") as out:
+            proc = subprocess.Popen(
+                ["mariadbd", "--user=root", f"--datadir={data}", f"--socket={self.mysql_socket}",
+                 f"--port={self.mysql_port}", "--bind-address=127.0.0.1",
+                 f"--pid-file={self.root / 'mysql' / 'mariadbd.pid'}", "--skip-name-resolve"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self.pid_file("mariadbd").write_text(str(proc.pid))
+        self._wait_for(lambda: self._mysql("SELECT 1", check=False) == 0, "mariadbd", timeout=60)
+        password_file = self.root / "etc" / "dbpass"
+        if not password_file.exists():
+            password_file.write_text(secrets.token_hex(12))
+            password_file.chmod(0o600)
+        password = password_file.read_text().strip()
+        self._mysql(
+            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+            "CREATE DATABASE IF NOT EXISTS slurm_acct_db;"
+            "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+        )
+
+    def _start_slurmdbd(self) -> None:
+        if self._pid("slurmdbd"):
+            return
+        dbd_conf = self.root / "etc" / "slurmdbd.conf"
+        password = (self.root / "etc" / "dbpass").read_text().strip()
+        dbd_conf.write_text(
+            _lines(
+                AuthType="auth/munge",
+                AuthInfo=f"socket={self.munge_socket}",
+                DbdHost="localhost",
+                DbdPort=self.dbd_port,
+                SlurmUser="root",
+                StorageType="accounting_storage/mysql",
+                StorageHost="127.0.0.1",
+                StoragePort=self.mysql_port,
+                StorageUser="slurm",
+                StoragePass=password,
+                StorageLoc="slurm_acct_db",
+                PidFile=self.pid_file("slurmdbd"),
+                LogFile=self.log_file("slurmdbd"),
+            )
+        )
+        dbd_conf.chmod(0o600)  # slurmdbd refuses a config that others can read
+        env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self._write_slurm_conf()
+        subprocess.run(["slurmdbd"], env=dict(env, SLURMDBD_CONF=str(dbd_conf)), check=True)
+        self._wait_for(lambda: _port_open(self.dbd_port), "slurmdbd", timeout=30)
+
+    def _start(self, daemon: str, argv: list[str]) -> None:
+        if self._pid(daemon):
+            return
+        result = subprocess.run(argv, env=dict(os.environ, **self.env), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ClusterError(
+                f"{daemon} did not start ({result.stderr.strip() or 'no message'}); see {self.log_file(daemon)}"
+            )
+        self._wait_for(lambda: self._pid(daemon) is not None, daemon, timeout=20)
+
+    # -- config ------------------------------------------------------------------
+    def _write_slurm_conf(self) -> None:
+        host = socket.gethostname().split(".")[0]
+        settings: dict[str, object] = dict(
+            ClusterName=self.name,
+            SlurmctldHost=host,
+            SlurmctldPort=self.ctld_port,
+            SlurmdPort=self.slurmd_port,
+            SlurmUser="root",
+            SlurmdUser="root",
+            AuthType="auth/munge",
+            CredType="cred/munge",
+            # cred_expire=5: a requeued job restarts in ~7 s instead of ~140 s.
+            AuthInfo=f"socket={self.munge_socket},cred_expire=5",
+            StateSaveLocation=self.root / "state",
+            SlurmdSpoolDir=self.root / "spool",
+            SlurmctldPidFile=self.pid_file("slurmctld"),
+            SlurmdPidFile=self.pid_file("slurmd"),
+            SlurmctldLogFile=self.log_file("slurmctld"),
+            SlurmdLogFile=self.log_file("slurmd"),
+            # No cgroups in our containers: track processes by their parent pids.
+            ProctrackType="proctrack/linuxproc",
+            TaskPlugin="task/none",
+            JobContainerType="job_container/none",
+            SelectType="select/cons_tres",
+            SelectTypeParameters="CR_Core",
+            # Lets the node declare more CPUs than the host has, so `srun -n 8` works on 2 cores.
+            SlurmdParameters="config_overrides",
+            # PMIx needs libpmix-dev, or slurmd cannot load mpi/pmix.
+            MpiDefault="pmix",
+            SchedulerParameters="sched_interval=5",
+            JobRequeue=1,
+            ReturnToService=2,
+            MinJobAge=86400,
+            KillWait=10,
+            InactiveLimit=0,
+            JobAcctGatherType="jobacct_gather/none",
+        )
+        if self.accounting:
+            settings.update(
+                AccountingStorageType="accounting_storage/slurmdbd",
+                AccountingStorageHost="localhost",
+                AccountingStoragePort=self.dbd_port,
+                # With slurmdbd, the "password" names the private munge socket.
+                AccountingStoragePass=self.munge_socket,
+                # AccountingStorageEnforce=none is fatal on 22.05: leave it out.
+            )
+        text = _lines(**settings)
+        text += (
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN\n"
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n"
+            f"PartitionName=batch Nodes={host} Default=NO MaxTime=INFINITE State=UP\n"
+        )
+        self.conf.write_text(text)
+
+    # -- small things ------------------------------------------------------------
+    def _pid(self, daemon: str) -> int | None:
+        try:
+            pid = int(self.pid_file(daemon).read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            return None
+        return pid if _alive(pid) else None
+
+    def _client_ok(self, argv: list[str]) -> bool:
+        result = subprocess.run(argv, env=dict(os.environ, **self.env), capture_output=True, text=True)
+        return result.returncode == 0
+
+    def _node_ready(self) -> bool:
+        result = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], env=dict(os.environ, **self.env), capture_output=True, text=True
+        )
+        states = result.stdout.split()
+        return result.returncode == 0 and bool(states) and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
+
+    def _mysql(self, sql: str, check: bool = True) -> int:
+        result = subprocess.run(
+            ["mariadb", f"--socket={self.mysql_socket}", "-u", "root", "-e", sql], capture_output=True, text=True
+        )
+        if check and result.returncode != 0:
+            raise ClusterError(f"MariaDB refused {sql[:40]!r}: {result.stderr.strip()}")
+        return result.returncode
+
+    def _wait_for(self, ready, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            time.sleep(0.5)
+        raise ClusterError(f"{what} did not come up within {timeout:.0f} s; see {self.log_file(what)}")
+
+
+def install_packages(packages: list[str]) -> None:
+    """apt-get install the Debian packages whose files are missing (needs root)."""
+    missing = [p for p in packages if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise ClusterError(f"missing Debian packages {' '.join(missing)}: install them as root and retry")
+    log.info("installing %s", " ".join(missing))
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-q"], env=env, check=True, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-q", *missing], env=env, check=True, capture_output=True)
+
+
+def _lines(**settings: object) -> str:
+    return "".join(f"{k}={v}\n" for k, v in settings.items())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is not running.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0

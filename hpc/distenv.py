@@ -1,0 +1,144 @@
+"""The distributed contract: one place that turns the launcher's variables into
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+
+Every job calls :func:`setup_distributed` (or :func:`dist_env`) first.
+DeepSpeed asserts unless all five are set, and silently falls back to mpi4py
+discovery when none are, so we always set all five.
+
+Sources, first match wins:
+
+1. an existing torchrun-style environment (all five already set);
+2. a Slurm job step (``SLURM_STEP_ID`` and ``SLURM_PROCID`` set by ``srun``);
+3. submitit's local executor (``SUBMITIT_LOCAL_*``);
+4. an MPI launcher (``mpiexec`` from Open MPI or MPICH);
+5. a single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, MutableMapping
+
+from submitit.slurm.slurm import _parse_node_list
+
+PORT_BASE = 20000
+PORT_SPAN = 40000
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is inconsistent; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    job_id: str | None = None
+    """The scheduler's job id (Slurm or submitit local), if any."""
+    restart_count: int = 0
+    """How often Slurm has requeued this job (``SLURM_RESTART_COUNT``)."""
+    source: str = "single"
+    """Where the values came from: torchrun, slurm, submitit-local, mpi or single."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def as_environ(self) -> dict[str, str]:
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def master_port(job_id: str | int, step_id: str | int = 0) -> int:
+    """A port every rank of one job step derives alike, different for neighbouring jobs.
+
+    >>> master_port(1234) == master_port("1234")
+    True
+    """
+    return PORT_BASE + (int(job_id) * 8 + int(step_id)) % PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """``node[01-03],gpu7`` -> ``['node01', 'node02', 'node03', 'gpu7']`` (submitit's parser)."""
+    return _parse_node_list(nodelist)
+
+
+def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Derive the distributed environment from whatever launched this process."""
+    env = os.environ if environ is None else environ
+    restarts = int(env.get("SLURM_RESTART_COUNT", 0) or 0)
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return DistEnv(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]), env.get("SLURM_JOB_ID"), restarts, "torchrun",
+        )  # fmt: skip
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+        job_id = env["SLURM_JOB_ID"]
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
+            local_rank=int(env["SLURM_LOCALID"]),
+            master_addr=expand_nodelist(nodes)[0],
+            master_port=master_port(job_id, env["SLURM_STEP_ID"]),
+            job_id=job_id,
+            restart_count=restarts,
+            source="slurm",
+        )
+    if "SUBMITIT_LOCAL_JOB_ID" in env:
+        job_id = env["SUBMITIT_LOCAL_JOB_ID"]
+        return DistEnv(
+            rank=int(env["SUBMITIT_LOCAL_GLOBALID"]),
+            world_size=int(env["SUBMITIT_LOCAL_NTASKS"]),
+            local_rank=int(env["SUBMITIT_LOCAL_LOCALID"]),
+            master_addr="127.0.0.1",
+            master_port=master_port(job_id),
+            job_id=job_id,
+            source="submitit-local",
+        )
+    for rank_key, size_key, local_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ):
+        if rank_key in env and size_key in env:
+            return DistEnv(
+                rank=int(env[rank_key]),
+                world_size=int(env[size_key]),
+                local_rank=int(env.get(local_key, env[rank_key])),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", 29500)),
+                source="mpi",
+            )
+    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), source="single")
+
+
+def setup_distributed(environ: MutableMapping[str, str] | None = None) -> DistEnv:
+    """Derive the distributed environment and export the five variables."""
+    env = os.environ if environ is None else environ
+    dist = dist_env(env)
+    env.update(dist.as_environ())
+    return dist
+
+
+def check_mpi_world(comm_size: int, environ: Mapping[str, str] | None = None) -> None:
+    """Fail when MPI sees fewer ranks than Slurm started.
+
+    With ``srun --mpi=none`` every task comes up as its own MPI world of size 1,
+    and a job would silently do the same work N times.
+    """
+    env = os.environ if environ is None else environ
+    slurm_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if "SLURM_STEP_ID" in env and slurm_tasks and int(slurm_tasks) != comm_size:
+        raise LaunchError(
+            f"Slurm started {slurm_tasks} tasks but MPI sees a world of {comm_size}: "
+            "launch with `srun --mpi=pmix` (Open MPI) or `srun --mpi=pmi2` (MPICH), not --mpi=none"
+        )

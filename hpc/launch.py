@@ -1,0 +1,137 @@
+"""Job scripts that run the way the cluster works.
+
+A file under ``jobs/`` is a Python module with ``#SBATCH`` lines at the top,
+a ``parse(argv) -> config`` and a ``main(config)``. :func:`run_script` decides
+what running it means from where it was started:
+
+=====================  ================================================================
+started by             what happens
+=====================  ================================================================
+``sbatch job.py``      the batch step re-launches the module under ``srun`` with the
+                       job's tasks (``python -m``: the spooled copy of the script is on
+                       the first node only)
+``salloc``, then       one task: runs here, in the foreground (``pdb`` works);
+``python job.py``      more tasks: ``srun`` in the foreground, logs on the terminal
+``srun``, submitit,    this process is one rank: call ``main`` directly
+torchrun, ``mpiexec``
+a login node or a      submits itself through submitit (``slurm``, ``local`` or
+workstation            ``debug`` executor) with the resources from its options
+=====================  ================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import subprocess
+import sys
+from typing import Any, Literal
+
+from .executor import make_executor, submit
+from .logs import setup_logging
+from .profile import ClusterProfile, load_profile
+from .requeue import RequeueableJob
+from .resources import Resources
+
+log = logging.getLogger(__name__)
+
+Context = Literal["rank", "batch", "allocation", "login"]
+
+
+@dataclasses.dataclass
+class Launch:
+    """How a job script is launched (its resources are a separate section)."""
+
+    cluster: str | None = None
+    """Cluster profile name or YAML path; default ``$CLIPFORGE_CLUSTER`` or ``local``."""
+    executor: Literal["slurm", "local", "debug"] | None = None
+    """Override the profile's executor: slurm, local (processes here) or debug (this process)."""
+    wait: bool | None = None
+    """Wait for the job and print its result; default: wait unless submitting to Slurm."""
+    max_requeues: int | None = None
+    """Requeues allowed after timeout or preemption; default: the profile's."""
+
+
+def context(environ: dict[str, str] | None = None) -> Context:
+    """Where this process stands: a rank of a job, a batch script, inside salloc, or outside Slurm."""
+    env = os.environ if environ is None else environ
+    if any(k in env for k in ("SLURM_STEP_ID", "SUBMITIT_LOCAL_JOB_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        return "rank"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "rank"
+    if "SLURM_JOB_ID" in env:
+        return "batch" if env.get("ENVIRONMENT") == "BATCH" else "allocation"
+    return "login"
+
+
+class ScriptJob(RequeueableJob):
+    """A job module and its command line, submitted as one picklable, requeueable job.
+
+    Only strings cross to the node: the module is imported there and the command
+    line parsed again, so the node needs clipforge installed, not this process's objects.
+    """
+
+    def __init__(self, module: str, argv: list[str], max_requeues: int = 3) -> None:
+        super().__init__(max_requeues)
+        self.module = module
+        self.argv = list(argv)
+
+    def run(self) -> Any:
+        mod = importlib.import_module(self.module)
+        return mod.main(mod.parse(self.argv))
+
+    def __repr__(self) -> str:
+        return f"ScriptJob({self.module} {' '.join(self.argv)})"
+
+
+def run_script(module: str, argv: list[str] | None = None) -> Any:
+    """Run job module ``module`` with command line ``argv`` the way its context asks."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    mod = importlib.import_module(module)
+    cfg = mod.parse(argv)
+    where = context()
+    if where == "rank":
+        return mod.main(cfg)
+    setup_logging()
+    launch: Launch = cfg.launch
+    profile = load_profile(launch.cluster)
+    if where == "batch":
+        return _srun(module, argv, profile, int(os.environ.get("SLURM_NTASKS", 1)), replace=True)
+    if where == "allocation":
+        ntasks = int(os.environ.get("SLURM_NTASKS", 1))
+        if ntasks == 1:
+            log.info("inside allocation %s with one task: running in the foreground", os.environ["SLURM_JOB_ID"])
+            return mod.main(cfg)
+        return _srun(module, argv, profile, ntasks, replace=False)
+    return submit_script(module, argv, cfg.resources, launch, profile)
+
+
+def submit_script(module: str, argv: list[str], resources: Resources, launch: Launch, profile: ClusterProfile) -> Any:
+    """Submit the job module through submitit and, if asked, wait for its results."""
+    kind = launch.executor or profile.executor
+    executor = make_executor(resources, profile, kind)
+    bound = profile.max_requeues if launch.max_requeues is None else launch.max_requeues
+    job = submit(executor, ScriptJob(module, argv, bound), name=module.rsplit(".", 1)[-1])
+    log.info("submitted %s as job %s (%s executor); logs: %s", module, job.job_id, kind, job.paths.stdout)
+    wait = launch.wait if launch.wait is not None else kind != "slurm"
+    if not wait:
+        print(f"job {job.job_id} submitted; follow it with: clipforge jobs logs {job.job_id}")
+        return job
+    results = job.results()
+    return results[0] if len(results) == 1 else results
+
+
+def _srun(module: str, argv: list[str], profile: ClusterProfile, ntasks: int, replace: bool) -> Any:
+    command = ["srun", f"--ntasks={ntasks}", "--kill-on-bad-exit=1", sys.executable, "-u", "-m", module, *argv]
+    setup = profile.setup_lines()
+    if setup:
+        # Setup lines come from the profile file; the user's arguments stay positional, never shell text.
+        command[3:3] = ["bash", "-c", "\n".join(setup) + '\nexec "$@"', "clipforge-setup"]
+    log.info("re-launching under srun with %d tasks", ntasks)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if replace:
+        os.execvp(command[0], command)
+    return subprocess.run(command, check=False).returncode

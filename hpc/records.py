@@ -1,0 +1,110 @@
+"""What ``clipforge jobs list|status|logs|cancel`` reads: submitit's job folders.
+
+Each submission leaves a folder ``<jobs root>/<job id>/`` with submitit's
+pickles and logs and a small ``clipforge-job.json``. States of Slurm jobs come
+from one ``sacct`` call for all of them, cached for 30 s so that no loop of
+ours polls the scheduler faster than that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from .executor import RECORD, jobs_root
+
+POLL_INTERVAL_S = 30.0
+_CACHE = ".sacct-cache.json"
+
+
+@dataclasses.dataclass
+class JobRecord:
+    job_id: str
+    name: str
+    executor: str
+    submitted_at: float
+    folder: Path
+    state: str = "UNKNOWN"
+
+    @property
+    def logs(self) -> list[Path]:
+        return sorted(self.folder.glob("*_log.out")) + sorted(self.folder.glob("*_log.err"))
+
+
+def list_jobs(root: Path | None = None) -> list[JobRecord]:
+    """Every job submitted through clipforge under ``root``, newest first, with its state."""
+    root = Path(root or jobs_root())
+    records = []
+    for path in root.glob(f"*/{RECORD}"):
+        data = json.loads(path.read_text())
+        records.append(
+            JobRecord(str(data["job_id"]), data["name"], data["executor"], data["submitted_at"], path.parent)
+        )
+    slurm_ids = [r.job_id for r in records if r.executor == "slurm"]
+    states = slurm_states(slurm_ids, root) if slurm_ids else {}
+    for record in records:
+        record.state = states.get(record.job_id) or _state_from_folder(record)
+    return sorted(records, key=lambda r: r.submitted_at, reverse=True)
+
+
+def find_job(job_id: str, root: Path | None = None) -> JobRecord:
+    for record in list_jobs(root):
+        if record.job_id == job_id:
+            return record
+    raise LookupError(f"no job {job_id} under {root or jobs_root()}; `clipforge jobs list` shows the known ones")
+
+
+def slurm_states(job_ids: list[str], root: Path, now: float | None = None) -> dict[str, str]:
+    """States from sacct, at most one query per POLL_INTERVAL_S (cached beside the job folders)."""
+    now = time.time() if now is None else now
+    cache = root / _CACHE
+    try:
+        cached = json.loads(cache.read_text())
+        if now - cached["at"] < POLL_INTERVAL_S and set(job_ids) <= set(cached["states"]):
+            return cached["states"]
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
+    result = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+        capture_output=True, text=True, env=os.environ,
+    )  # fmt: skip
+    states: dict[str, str] = {}
+    if result.returncode == 0:
+        for line in result.stdout.splitlines():
+            jid, _, state = line.partition("|")
+            states[jid] = state.split()[0] if state else "UNKNOWN"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"at": now, "states": states}))
+    tmp.replace(cache)
+    return states
+
+
+def cancel(record: JobRecord) -> None:
+    if record.executor == "slurm":
+        subprocess.run(["scancel", record.job_id], check=True)
+    else:
+        pid = int(record.job_id)
+        try:
+            os.kill(pid, 15)
+        except ProcessLookupError:
+            pass
+
+
+def _state_from_folder(record: JobRecord) -> str:
+    results = list(record.folder.glob("*_result.pkl"))
+    if results:
+        outcomes = [pickle.loads(p.read_bytes())[0] for p in results]
+        return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
+    if record.executor == "local":
+        try:
+            os.kill(int(record.job_id), 0)
+            return "RUNNING"
+        except (ProcessLookupError, ValueError):
+            return "FAILED"
+    return "UNKNOWN"

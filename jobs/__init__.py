@@ -1,0 +1,1 @@
+"""The jobs users submit; each module is also a runnable job script."""

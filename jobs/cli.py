@@ -1,0 +1,152 @@
+"""``clipforge``: one command line over the rooms.
+
+    clipforge cluster up|down|status|env     a single-node Slurm on this host
+    clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
+    clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
+    clipforge jobs sbatch-lines              #SBATCH lines for given resources
+    clipforge demo                           the main job on the embedded default
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+
+from clipforge.hpc import records
+from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.launch import run_script
+from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.profile import load_profile
+from clipforge.hpc.resources import Resources
+from clipforge.jobs import config
+
+JOB_MODULES = {"selftest": "clipforge.jobs.selftest"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    setup_logging()
+    return config.guarded(lambda: args.func(args, rest))()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clipforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    cluster = sub.add_parser("cluster", help="start, stop or inspect the single-node Slurm cluster on this host")
+    cluster.add_argument("action", choices=["up", "down", "status", "env"])
+    cluster.add_argument("--no-accounting", action="store_true", help="skip slurmdbd and MariaDB (sacct will not work)")
+    cluster.set_defaults(func=_cluster)
+
+    jobs = sub.add_parser("jobs", help="run job modules and follow submitted jobs")
+    jsub = jobs.add_subparsers(metavar="ACTION")
+    run = jsub.add_parser("run", help=f"run a job module: {', '.join(JOB_MODULES)} (its own --help lists options)")
+    run.add_argument("name", choices=sorted(JOB_MODULES))
+    run.set_defaults(func=_jobs_run, passthrough=True)
+    lst = jsub.add_parser("list", help="jobs submitted through clipforge, newest first")
+    lst.set_defaults(func=_jobs_list)
+    for verb, func, text in (
+        ("status", _jobs_status, "state and folder of one job"),
+        ("logs", _jobs_logs, "print a job's logs"),
+        ("cancel", _jobs_cancel, "cancel a job"),
+    ):
+        p = jsub.add_parser(verb, help=text)
+        p.add_argument("job_id")
+        if verb == "logs":
+            p.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+        p.set_defaults(func=func)
+    lines = jsub.add_parser("sbatch-lines", help="#SBATCH lines for resources given as job options (--nodes 2 ...)")
+    lines.add_argument("--cluster", default=None, help="profile whose defaults fill the gaps")
+    lines.set_defaults(func=_sbatch_lines, passthrough=True)
+
+    demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
+    demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _cluster(args: argparse.Namespace, rest: list[str]) -> int:
+    cluster = LocalCluster(accounting=not args.no_accounting)
+    if args.action == "up":
+        cluster.up()
+        print(f"export SLURM_CONF={cluster.conf}")
+    elif args.action == "down":
+        cluster.down()
+    elif args.action == "env":
+        print(f"export SLURM_CONF={cluster.conf}")
+    else:
+        for daemon, running in cluster.status().items():
+            print(f"{daemon:10s} {'running' if running else 'stopped'}")
+        return 0 if cluster.is_up() else 1
+    return 0
+
+
+def _jobs_run(args: argparse.Namespace, rest: list[str]) -> int:
+    result = run_script(JOB_MODULES[args.name], rest)
+    return result if isinstance(result, int) else 0
+
+
+def _jobs_list(args: argparse.Namespace, rest: list[str]) -> int:
+    print(f"{'JOB':>12}  {'STATE':<11} {'EXECUTOR':<8} {'SUBMITTED':<19} NAME")
+    for r in records.list_jobs():
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at))
+        print(f"{r.job_id:>12}  {r.state:<11} {r.executor:<8} {when:<19} {r.name}")
+    return 0
+
+
+def _jobs_status(args: argparse.Namespace, rest: list[str]) -> int:
+    r = _find(args.job_id)
+    print(json.dumps({"job_id": r.job_id, "state": r.state, "name": r.name, "folder": str(r.folder)}, indent=1))
+    return 0
+
+
+def _jobs_logs(args: argparse.Namespace, rest: list[str]) -> int:
+    r = _find(args.job_id)
+    seen: dict = {}
+    while True:
+        for path in r.logs:
+            text = path.read_text(errors="replace")
+            if text[seen.get(path, 0):]:
+                print(text[seen.get(path, 0):], end="")
+            seen[path] = len(text)
+        if not args.follow or records.find_job(args.job_id).state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN"):
+            return 0
+        time.sleep(records.POLL_INTERVAL_S)
+
+
+def _jobs_cancel(args: argparse.Namespace, rest: list[str]) -> int:
+    records.cancel(_find(args.job_id))
+    print(f"cancelled {args.job_id}")
+    return 0
+
+
+def _find(job_id: str) -> records.JobRecord:
+    try:
+        return records.find_job(job_id)
+    except LookupError as exc:
+        raise config.ConfigError(str(exc)) from None
+
+
+def _sbatch_lines(args: argparse.Namespace, rest: list[str]) -> int:
+    resources = config.parse(Resources, rest)
+    print("\n".join(load_profile(args.cluster).apply(resources).sbatch_lines()))
+    return 0
+
+
+def _demo(args: argparse.Namespace, rest: list[str]) -> int:
+    demo = importlib.import_module("clipforge.jobs.demo")
+    return demo.run(cluster=args.cluster)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

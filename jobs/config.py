@@ -1,0 +1,128 @@
+"""Typed job configs: dataclasses, a YAML file, then the command line.
+
+Precedence, lowest first: the dataclass defaults, ``--config FILE.yaml``, the
+command-line flags. Every field's docstring is its ``--help`` text (tyro).
+The resolved config is what a job saves into its run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tyro
+import yaml
+
+from clipforge.hpc.cluster import ClusterError
+from clipforge.hpc.distenv import LaunchError
+from clipforge.hpc.profile import ProfileError
+from clipforge.hpc.resources import ResourceError
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or value the job cannot use; the message names it and says what to change."""
+
+
+# Errors a user can cause: shown as one line, never a traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ResourceError, ProfileError, LaunchError, ClusterError)
+
+
+def parse(cls: type[T], argv: list[str] | None = None) -> T:
+    """Build ``cls`` from its defaults, an optional ``--config FILE`` and the command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = cls()
+    if "--config" in argv or any(a.startswith("--config=") for a in argv):
+        path, argv = _pop_config(argv)
+        default = from_dict(cls, load_yaml(path), where=str(path))
+    return tyro.cli(cls, args=argv, default=default)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+    return data
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
+    """A dataclass from a nested mapping; unknown keys are refused with the allowed ones listed."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown setting(s) {', '.join(sorted(map(str, unknown)))}; allowed: {', '.join(fields)}"
+        )
+    values = {}
+    for name, value in data.items():
+        kind = _dataclass_in(hints[name])
+        if kind is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {name} is a section; give it as a mapping of settings")
+            value = from_dict(kind, value, where=f"{where}: {name}")
+        values[name] = value
+    return cls(**values)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The resolved config as plain data, for ``config.yaml`` in a run directory."""
+    return dataclasses.asdict(config)
+
+
+def guarded(main: Callable[[], Any]) -> Callable[[], int]:
+    """Wrap a command's entry point so a user's mistake prints one line and exits 2."""
+
+    def run() -> int:
+        try:
+            result = main()
+        except USER_ERRORS as exc:
+            print(f"clipforge: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("clipforge: interrupted", file=sys.stderr)
+            return 130
+        return result if isinstance(result, int) else 0
+
+    return run
+
+
+def _pop_config(argv: list[str]) -> tuple[Path, list[str]]:
+    rest: list[str] = []
+    path: Path | None = None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            value = next(it, None)
+            if value is None:
+                raise ConfigError("--config needs a YAML file path")
+            path = Path(value)
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    assert path is not None
+    return path, rest
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass inside ``Annotated[...]`` or ``X | None``, if any."""
+    if dataclasses.is_dataclass(hint):
+        return hint  # type: ignore[return-value]
+    for arg in typing.get_args(hint):
+        found = _dataclass_in(arg)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+#SBATCH --job-name=clipforge-selftest
+#SBATCH --ntasks=2
+#SBATCH --time=00:10:00
+#SBATCH --signal=USR2@60
+"""Cluster self-test: is this cluster ready for clipforge?
+
+Every rank derives its distributed environment through the ``hpc`` contract,
+joins a gloo process group and all-reduces its rank; then, if asked, it counts
+steps with its state on disk, so requeue and timeout behaviour can be seen.
+
+    python jobs/selftest.py --ntasks-per-node 2            # local processes
+    python jobs/selftest.py --cluster dev --ntasks-per-node 2 --wait True
+    sbatch jobs/selftest.py --steps 30 --state-dir /scratch/selftest
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import torch.distributed as dist
+import tyro
+
+from clipforge.hpc.distenv import setup_distributed
+from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.requeue import on_requeue
+from clipforge.hpc.resources import Resources
+from clipforge.jobs import config
+
+log = logging.getLogger("clipforge.selftest")
+
+
+@dataclasses.dataclass
+class Config:
+    """Check that ranks, the process group and requeue work on this cluster."""
+
+    steps: int = 0
+    """Steps to count after the all-reduce (0: stop after it)."""
+    step_seconds: float = 1.0
+    """Seconds each step takes."""
+    state_dir: Path | None = None
+    """Where the step counter is kept so that a requeued job resumes; needed when steps > 0."""
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(ntasks_per_node=2, time="00:10:00", job_name="clipforge-selftest")
+    )
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    cfg = config.parse(Config, argv)
+    if cfg.steps > 0 and cfg.state_dir is None:
+        raise config.ConfigError("--state-dir is needed with --steps, so that a requeued job can resume")
+    return cfg
+
+
+def main(cfg: Config) -> dict:
+    env = setup_distributed()
+    setup_logging(env.rank)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        value = torch.tensor([env.rank + 1.0])
+        dist.all_reduce(value)
+        log.info("rank %d of %d on %s: all_reduce gave %g (source %s)", env.rank, env.world_size, socket.gethostname(), value.item(), env.source)
+        start = step = _load_step(cfg.state_dir)
+        if start:
+            log.info("resuming at step %d after %d requeue(s)", start, env.restart_count)
+        if env.is_main:
+            on_requeue(lambda: _save_step(cfg.state_dir, step, env.restart_count))
+        while step < cfg.steps:
+            time.sleep(cfg.step_seconds)
+            step += 1
+            if env.is_main:
+                _save_step(cfg.state_dir, step, env.restart_count)
+            if step % 10 == 0 or step == cfg.steps:
+                log.info("step %d/%d", step, cfg.steps)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "local_rank": env.local_rank,
+        "master_addr": env.master_addr,
+        "master_port": env.master_port,
+        "job_id": env.job_id,
+        "source": env.source,
+        "restart_count": env.restart_count,
+        "all_reduce": value.item(),
+        "start_step": start,
+        "final_step": step,
+        "environ": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
+    }
+
+
+def _load_step(state_dir: Path | None) -> int:
+    if state_dir is None or not (state_dir / "state.json").exists():
+        return 0
+    return int(json.loads((state_dir / "state.json").read_text())["step"])
+
+
+def _save_step(state_dir: Path | None, step: int, restarts: int) -> None:
+    if state_dir is None:
+        return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / "state.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "restart_count": restarts}))
+    tmp.replace(state_dir / "state.json")  # atomic: a kill never leaves half a state
+
+
+if __name__ == "__main__":
+    result = config.guarded(lambda: run_script("clipforge.jobs.selftest"))()
+    sys.exit(result)

@@ -1,0 +1,1 @@
+"""Model builders by name: video transformers and torchvision's video models."""

@@ -1,0 +1,1 @@
+"""Parameter-server training over torch.distributed.rpc (asynchronous, SSP, sync, federated averaging)."""

@@ -1,0 +1,1 @@
+"""Model versions as Git LFS branches in a registry repository."""

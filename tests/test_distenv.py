@@ -1,0 +1,84 @@
+"""The distributed contract, as pure logic over environment mappings."""
+
+from __future__ import annotations
+
+import pytest
+
+from clipforge.hpc.distenv import LaunchError, check_mpi_world, dist_env, expand_nodelist, master_port, setup_distributed
+from clipforge.hpc.launch import context
+
+SLURM_STEP = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "gpu[007-008,010],login1",
+    "SLURM_STEP_NODELIST": "gpu[008,010]",
+    "SLURM_RESTART_COUNT": "2",
+}
+
+
+def test_node_lists_expand_ranges_padding_and_groups() -> None:
+    assert expand_nodelist("gpu[007-008,010],login1") == ["gpu007", "gpu008", "gpu010", "login1"]
+    assert expand_nodelist("node1") == ["node1"]
+
+
+def test_master_port_is_the_same_for_every_rank_and_differs_between_jobs() -> None:
+    assert master_port("4242") == master_port(4242)
+    assert master_port(4242) != master_port(4243)
+    assert master_port(4242, step_id=0) != master_port(4242, step_id=1)
+    assert all(20000 <= master_port(j) < 60000 for j in range(0, 10**6, 9973))
+
+
+def test_a_slurm_step_gives_all_five_variables() -> None:
+    env = dict(SLURM_STEP)
+    dist = setup_distributed(env)
+    assert (dist.rank, dist.world_size, dist.local_rank, dist.restart_count) == (5, 8, 1, 2)
+    assert dist.master_addr == "gpu008"  # first host of the step, not of the job
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "gpu008" and env["MASTER_PORT"] == str(master_port(4242, 0))
+    assert dist.source == "slurm"
+
+
+def test_an_existing_torchrun_environment_is_kept() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+    dist = dist_env({**SLURM_STEP, **env})
+    assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port, dist.source) == (3, 4, "10.0.0.1", 29400, "torchrun")
+
+
+def test_submitit_local_tasks() -> None:
+    env = {"SUBMITIT_LOCAL_JOB_ID": "777", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1"}
+    dist = dist_env(env)
+    assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port) == (1, 2, "127.0.0.1", master_port(777))
+
+
+def test_mpiexec_ranks() -> None:
+    dist = dist_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert (dist.rank, dist.world_size, dist.local_rank, dist.source) == (1, 4, 1, "mpi")
+
+
+def test_no_launcher_is_a_single_process() -> None:
+    dist = dist_env({})
+    assert (dist.rank, dist.world_size, dist.local_rank, dist.source) == (0, 1, 0, "single")
+
+
+def test_an_mpi_world_smaller_than_the_slurm_step_is_refused() -> None:
+    with pytest.raises(LaunchError, match="Slurm started 8 tasks but MPI sees a world of 1"):
+        check_mpi_world(1, SLURM_STEP)
+    check_mpi_world(8, SLURM_STEP)
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, "login"),
+        ({"SLURM_JOB_ID": "1", "ENVIRONMENT": "BATCH", "SLURM_PROCID": "0"}, "batch"),
+        ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"}, "allocation"),
+        (SLURM_STEP, "rank"),
+        ({"SUBMITIT_LOCAL_JOB_ID": "3"}, "rank"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "rank"),
+    ],
+)
+def test_a_job_script_knows_where_it_was_started(env: dict, expected: str) -> None:
+    assert context(env) == expected
