@@ -45,10 +45,16 @@ def list_jobs(root: Path | None = None) -> list[JobRecord]:
         records.append(
             JobRecord(str(data["job_id"]), data["name"], data["executor"], data["submitted_at"], path.parent)
         )
-    slurm_ids = [r.job_id for r in records if r.executor == "slurm"]
+    for record in records:
+        record.state = _state_from_results(record) or record.state
+    # Only jobs without a result ask the scheduler: sacct lags the end of a job by seconds.
+    slurm_ids = [r.job_id for r in records if r.executor == "slurm" and r.state == "UNKNOWN"]
     states = slurm_states(slurm_ids, root) if slurm_ids else {}
     for record in records:
-        record.state = states.get(record.job_id) or _state_from_folder(record)
+        if record.job_id in states:
+            record.state = states[record.job_id]
+        elif record.executor == "local" and record.state == "UNKNOWN":
+            record.state = "RUNNING" if _pid_alive(record.job_id) else "FAILED"
     return sorted(records, key=lambda r: r.submitted_at, reverse=True)
 
 
@@ -96,15 +102,18 @@ def cancel(record: JobRecord) -> None:
             pass
 
 
-def _state_from_folder(record: JobRecord) -> str:
+def _state_from_results(record: JobRecord) -> str | None:
+    """COMPLETED or FAILED from submitit's result pickles, when every task has written one."""
     results = list(record.folder.glob("*_result.pkl"))
-    if results:
-        outcomes = [pickle.loads(p.read_bytes())[0] for p in results]
-        return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
-    if record.executor == "local":
-        try:
-            os.kill(int(record.job_id), 0)
-            return "RUNNING"
-        except (ProcessLookupError, ValueError):
-            return "FAILED"
-    return "UNKNOWN"
+    if not results:
+        return None
+    outcomes = [pickle.loads(p.read_bytes())[0] for p in results]  # our own job's files
+    return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
+
+
+def _pid_alive(job_id: str) -> bool:
+    try:
+        os.kill(int(job_id), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    return True

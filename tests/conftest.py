@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 
 from clipforge.hpc.cluster import LocalCluster
 
-REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
 
 
@@ -43,8 +41,3 @@ def mpiexec() -> list[str]:
     assert path, "mpiexec is missing: the openmpi package should provide it (./dev.sh setup)"
     return [path, "--allow-run-as-root", "--oversubscribe"]
 
-
-def run(argv: list[str], timeout: float = 180, **kwargs) -> subprocess.CompletedProcess:
-    """Run a command, returning its output; a failure shows what it printed."""
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
-    return result

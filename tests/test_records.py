@@ -1,0 +1,26 @@
+"""Following jobs: the scheduler is asked at most once per poll interval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from clipforge.hpc import records
+from clipforge.hpc.launch import run_script
+
+
+def test_states_are_served_from_the_cache_within_the_poll_interval(tmp_path: Path, slurm) -> None:
+    (tmp_path / records._CACHE).write_text(json.dumps({"at": 1000.0, "states": {"1": "RUNNING"}}))
+    assert records.slurm_states(["1"], tmp_path, now=1000.0 + records.POLL_INTERVAL_S - 1) == {"1": "RUNNING"}
+    # Past the interval, sacct is asked again: job 1 of this cluster has long finished or never existed here.
+    fresh = records.slurm_states(["1"], tmp_path, now=1000.0 + records.POLL_INTERVAL_S + 1)
+    assert fresh.get("1") != "RUNNING"
+    assert json.loads((tmp_path / records._CACHE).read_text())["at"] == 1000.0 + records.POLL_INTERVAL_S + 1
+
+
+def test_the_local_executor_runs_the_same_job_with_two_ranks() -> None:
+    results = run_script("clipforge.jobs.selftest", ["--executor", "local", "--ntasks-per-node", "2"])
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["source"] for r in results} == {"submitit-local"} and results[0]["all_reduce"] == 3.0
+    listed = records.list_jobs()
+    assert [(r.executor, r.state) for r in listed] == [("local", "COMPLETED")]

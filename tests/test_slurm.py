@@ -1,0 +1,117 @@
+"""Job scripts, submitit and requeue against the real single-node Slurm cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+
+from clipforge.hpc import records
+from clipforge.hpc.executor import make_executor, submit_array
+from clipforge.hpc.launch import run_script
+from clipforge.hpc.profile import load_profile
+from clipforge.hpc.resources import Resources
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slurm
+SELFTEST = "clipforge.jobs.selftest"
+
+
+def _wait_for_step(state: Path, at_least: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = json.loads(state.read_text())
+            if data["step"] >= at_least:
+                return data
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{state} never reached step {at_least}")
+
+
+def _job_log(job: submitit.Job) -> str:
+    return Path(str(job.paths.stdout)).read_text() + Path(str(job.paths.stderr)).read_text()
+
+
+def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None:
+    results = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "True"])
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["source"] == "slurm" and r["world_size"] == 2
+        assert r["all_reduce"] == 3.0  # (0 + 1) + (1 + 1)
+        assert r["environ"]["RANK"] == str(r["rank"]) and r["environ"]["WORLD_SIZE"] == "2"
+    assert len({(r["master_addr"], r["master_port"]) for r in results}) == 1
+
+
+def test_sbatch_of_a_job_script_relaunches_it_under_srun_with_the_jobs_tasks(slurm, tmp_path: Path) -> None:
+    out = tmp_path / "slurm-%j.out"
+    result = subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(REPO / "jobs" / "selftest.py"),
+         "--steps", "2", "--step-seconds", "0.2", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    log = next(tmp_path.glob("slurm-*.out")).read_text()
+    assert "re-launching under srun with 2 tasks" in log
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log and "(source slurm)" in log
+    assert json.loads((tmp_path / "state" / "state.json").read_text())["step"] == 2
+
+
+def test_a_job_array_is_one_sbatch_with_one_task_per_argument(slurm) -> None:
+    executor = make_executor(Resources(time="5"), load_profile("dev"))
+    jobs = submit_array(executor, os.getenv, ["SLURM_ARRAY_TASK_ID"] * 4, name="array-test")
+    assert len({job.job_id.split("_")[0] for job in jobs}) == 1  # one array, one submission
+    assert sorted(job.result() for job in jobs) == ["0", "1", "2", "3"]
+
+
+def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    job = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "False",
+                                "--steps", "30", "--step-seconds", "0.5", "--state-dir", str(state)])  # fmt: skip
+    before = _wait_for_step(state / "state.json", 4)
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+    results = job.results()
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["restart_count"] == 1, _job_log(job)
+        assert r["start_step"] >= before["step"]
+        assert r["final_step"] == 30
+
+
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(slurm, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    job = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "1", "--wait", "False", "--time", "1",
+                                "--signal-delay-s", "45", "--max-requeues", "1", "--steps", "100000",
+                                "--step-seconds", "0.5", "--state-dir", str(state)])  # fmt: skip
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
+        job.results()
+    log = _job_log(job)
+    assert "requeuing (restart 1 of at most 1)" in log
+    assert "not requeuing: the job has been requeued 1 times (bound 1)" in log
+    final = json.loads((state / "state.json").read_text())
+    assert final["restart_count"] == 1 and final["step"] > 0
+
+
+def test_a_job_script_inside_salloc_runs_in_the_foreground(slurm) -> None:
+    result = subprocess.run(
+        ["salloc", "-n", "2", sys.executable, str(REPO / "jobs" / "selftest.py")],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "rank 0 of 2" in result.stderr and "rank 1 of 2" in result.stderr
+
+
+def test_jobs_list_shows_submitted_jobs_with_their_scheduler_state(slurm) -> None:
+    results = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "1", "--wait", "True"])
+    listed = records.list_jobs()
+    assert len(listed) == 1 and listed[0].name == "selftest" and listed[0].executor == "slurm"
+    assert listed[0].state == "COMPLETED"
+    assert results["rank"] == 0
