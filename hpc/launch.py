@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from .executor import make_executor, submit
 from .logs import setup_logging
+from .mpi import mpiexec_command
 from .profile import ClusterProfile, load_profile
 from .requeue import RequeueableJob
 from .resources import Resources
@@ -73,12 +74,20 @@ class ScriptJob(RequeueableJob):
     line parsed again, so the node needs clipforge installed, not this process's objects.
     """
 
-    def __init__(self, module: str, argv: list[str], max_requeues: int = 3) -> None:
+    def __init__(self, module: str, argv: list[str], max_requeues: int = 3, mpi_tasks: int = 0) -> None:
         super().__init__(max_requeues)
         self.module = module
         self.argv = list(argv)
+        self.mpi_tasks = mpi_tasks
+        """When set, start that many MPI ranks with mpiexec (local executor: no srun to do it)."""
 
     def run(self) -> Any:
+        if self.mpi_tasks:
+            command = [*mpiexec_command(self.mpi_tasks), sys.executable, "-u", "-m", self.module, *self.argv]
+            code = subprocess.run(command, check=False).returncode
+            if code:
+                raise RuntimeError(f"{self.module} under mpiexec -n {self.mpi_tasks} exited with {code}")
+            return code
         mod = importlib.import_module(self.module)
         return mod.main(mod.parse(self.argv))
 
@@ -111,9 +120,14 @@ def run_script(module: str, argv: list[str] | None = None) -> Any:
 def submit_script(module: str, argv: list[str], resources: Resources, launch: Launch, profile: ClusterProfile) -> Any:
     """Submit the job module through submitit and, if asked, wait for its results."""
     kind = launch.executor or profile.executor
-    executor = make_executor(resources, profile, kind)
     bound = profile.max_requeues if launch.max_requeues is None else launch.max_requeues
-    job = submit(executor, ScriptJob(module, argv, bound), name=module.rsplit(".", 1)[-1])
+    job_object = ScriptJob(module, argv, bound)
+    if kind == "local" and getattr(importlib.import_module(module), "USES_MPI", False) and resources.ntasks > 1:
+        # Local tasks are not MPI ranks: one task starts the ranks with mpiexec.
+        job_object.mpi_tasks = resources.ntasks
+        resources = dataclasses.replace(resources, ntasks_per_node=1)
+    executor = make_executor(resources, profile, kind)
+    job = submit(executor, job_object, name=module.rsplit(".", 1)[-1])
     log.info("submitted %s as job %s (%s executor); logs: %s", module, job.job_id, kind, job.paths.stdout)
     wait = launch.wait if launch.wait is not None else kind != "slurm"
     if not wait:

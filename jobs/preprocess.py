@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+#SBATCH --job-name=clipforge-preprocess
+#SBATCH --ntasks=2
+#SBATCH --time=02:00:00
+#SBATCH --signal=USR2@120
+"""Pack a video corpus into an HDF5 clip store, one MPI rank per Slurm task.
+
+    python jobs/preprocess.py --videos /lustre/k400 --out /lustre/scratch/k400 --cluster mycluster --nodes 4 --ntasks-per-node 32
+    sbatch jobs/preprocess.py --videos /lustre/k400 --out /lustre/scratch/k400
+    mpiexec -n 4 python jobs/preprocess.py --videos ./videos --out ./store
+
+Rerunning the same command on the same --out does only what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from clipforge.hpc.distenv import check_mpi_world, dist_env
+from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.resources import Resources
+from clipforge.jobs import config
+from clipforge.preprocess.corpus import SplitRatios
+from clipforge.preprocess.decode import ClipParams
+from clipforge.preprocess.pack import PackError, PackOptions, pack_corpus
+
+USES_MPI = True
+log = logging.getLogger("clipforge.preprocess")
+
+
+@dataclasses.dataclass
+class Config:
+    """Pack videos into an HDF5 clip store."""
+
+    videos: Path = Path("videos")
+    """A class-per-folder corpus (root/<class>/<video>) or a .csv/.jsonl manifest (path,label[,split])."""
+    out: Path = Path("store")
+    """The clip store directory (on Lustre: a scratch path)."""
+    clip: Annotated[ClipParams, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=ClipParams)
+    pack: Annotated[PackOptions, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=PackOptions)
+    split: SplitRatios = dataclasses.field(default_factory=SplitRatios)
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(ntasks_per_node=2, time="02:00:00", job_name="clipforge-preprocess")
+    )
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    return config.parse(Config, argv)
+
+
+def main(cfg: Config) -> dict | None:
+    from mpi4py import MPI
+
+    setup_logging(dist_env().rank)
+    check_mpi_world(MPI.COMM_WORLD.Get_size())
+    try:
+        summary = pack_corpus(cfg.videos, cfg.out, cfg.clip, cfg.pack, cfg.split)
+    except PackError as exc:
+        raise config.ConfigError(str(exc)) from None
+    return None if summary is None else dataclasses.asdict(summary)
+
+
+if __name__ == "__main__":
+    sys.exit(config.guarded(lambda: run_script("clipforge.jobs.preprocess"))())

@@ -1,0 +1,177 @@
+"""Scanning a corpus: a class-per-folder tree or a manifest, into a deterministic video table.
+
+The scan never drops a file silently: every file it does not take is reported
+with the reason (``Corpus.skipped``), and problems that make the corpus
+ambiguous (duplicates, labels with path separators, paths outside the root)
+stop it with one line naming the entry.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+VIDEO_EXTENSIONS = frozenset(
+    {".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".flv", ".wmv", ".3gp", ".ogv", ".h264", ".264"}
+)
+SPLITS = ("train", "val", "test")
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be scanned as given; the message names the entry and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Video:
+    path: str
+    """Path relative to the corpus root (as written in the index)."""
+    label: str
+    split: str
+
+
+@dataclasses.dataclass
+class Corpus:
+    root: Path
+    videos: list[Video]
+    """Sorted by (label, path): the same corpus always gives the same table and video ids."""
+    classes: list[str]
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path, reason) for every file the scan saw and did not take."""
+
+    def label_index(self, video: Video) -> int:
+        return self.classes.index(video.label)
+
+    def absolute(self, video: Video) -> Path:
+        return self.root / video.path
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRatios:
+    train: float = 0.8
+    val: float = 0.1
+    test: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.train, self.val, self.test) < 0 or abs(self.train + self.val + self.test - 1) > 1e-6:
+            raise CorpusError(f"split ratios {self.train}/{self.val}/{self.test} must be non-negative and sum to 1")
+
+
+def scan(source: Path, ratios: SplitRatios = SplitRatios()) -> Corpus:
+    """Scan a class-per-folder tree (``root/<class>/<video>``) or a CSV/JSONL manifest."""
+    source = Path(source)
+    if not source.exists():
+        raise CorpusError(f"{source} does not exist; give a corpus folder or a .csv/.jsonl manifest")
+    if source.is_dir():
+        root, entries, skipped = source, *_scan_tree(source)
+    elif source.suffix.lower() in (".csv", ".jsonl"):
+        root, entries, skipped = source.parent, *_read_manifest(source)
+    else:
+        raise CorpusError(f"{source}: a corpus is a folder of class folders or a .csv/.jsonl manifest")
+    entries = _checked(root, entries, skipped)
+    if not entries:
+        raise CorpusError(f"{source}: no videos found (extensions taken: {', '.join(sorted(VIDEO_EXTENSIONS))})")
+    classes = sorted({label for _, label, _ in entries})
+    videos = _assign_splits(entries, ratios)
+    return Corpus(root=root.resolve(), videos=videos, classes=classes, skipped=skipped)
+
+
+def _scan_tree(root: Path) -> tuple[list[tuple[str, str, str | None]], list[tuple[str, str]]]:
+    entries: list[tuple[str, str, str | None]] = []
+    skipped: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in sorted(filenames):
+            rel = (rel_dir / name).as_posix()
+            if len(rel_dir.parts) != 1:
+                skipped.append((rel, "not inside a class folder (expected root/<class>/<video>)"))
+            elif Path(name).suffix.lower() not in VIDEO_EXTENSIONS:
+                skipped.append((rel, f"extension {Path(name).suffix or '(none)'} is not a video extension"))
+            else:
+                entries.append((rel, rel_dir.parts[0], None))
+    return entries, skipped
+
+
+def _read_manifest(path: Path) -> tuple[list[tuple[str, str, str | None]], list[tuple[str, str]]]:
+    rows: list[dict] = []
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"path", "label"} - set(reader.fieldnames or [])
+            if missing:
+                raise CorpusError(f"{path}: the header needs columns path,label[,split]; missing {', '.join(sorted(missing))}")
+            rows = list(reader)
+    else:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
+            if not isinstance(row, dict) or "path" not in row or "label" not in row:
+                raise CorpusError(f"{path}:{n}: each line needs \"path\" and \"label\"")
+            rows.append(row)
+    entries = []
+    for n, row in enumerate(rows, 1):
+        split = (row.get("split") or None) if isinstance(row.get("split"), str) else None
+        if split is not None and split not in SPLITS:
+            raise CorpusError(f"{path}: entry {n} ({row['path']}): split {split!r} is not one of {', '.join(SPLITS)}")
+        entries.append((str(row["path"]), str(row["label"]), split))
+    return entries, []
+
+
+def _checked(
+    root: Path, entries: list[tuple[str, str, str | None]], skipped: list[tuple[str, str]]
+) -> list[tuple[str, str, str | None]]:
+    """Refuse ambiguous entries; move unreadable or non-video files to ``skipped``."""
+    real_root = root.resolve()
+    seen: dict[str, str] = {}
+    kept = []
+    for rel, label, split in entries:
+        if not label or "/" in label or "\\" in label or label in (".", ".."):
+            raise CorpusError(f"{rel}: label {label!r} must be a plain name without path separators")
+        target = (root / rel).resolve()
+        # A manifest path must stay inside the corpus root: no '..', no absolute paths elsewhere, no symlinks out.
+        if not target.is_relative_to(real_root):
+            raise CorpusError(f"{rel}: resolves to {target}, outside the corpus root {real_root}; move it inside")
+        key = target.relative_to(real_root).as_posix()
+        if key in seen:
+            raise CorpusError(f"{rel}: listed twice (labels {seen[key]!r} and {label!r}); keep one entry")
+        seen[key] = label
+        if Path(rel).suffix.lower() not in VIDEO_EXTENSIONS:
+            skipped.append((key, f"extension {Path(rel).suffix or '(none)'} is not a video extension"))
+        elif not target.is_file():
+            skipped.append((key, "does not exist or is not a file"))
+        elif not os.access(target, os.R_OK):
+            skipped.append((key, "is not readable"))
+        else:
+            kept.append((key, label, split))
+    return sorted(kept, key=lambda e: (e[1], e[0]))
+
+
+def _assign_splits(entries: list[tuple[str, str, str | None]], ratios: SplitRatios) -> list[Video]:
+    """Given splits are kept; the rest get a seeded split stratified by class."""
+    by_class: dict[str, list[int]] = defaultdict(list)
+    for i, (_, label, split) in enumerate(entries):
+        if split is None:
+            by_class[label].append(i)
+    splits: list[str | None] = [split for _, _, split in entries]
+    rng = np.random.default_rng(ratios.seed)
+    for label in sorted(by_class):
+        idx = by_class[label]
+        order = rng.permutation(len(idx))
+        n_val = int(round(len(idx) * ratios.val))
+        n_test = int(round(len(idx) * ratios.test))
+        if len(idx) - n_val - n_test < 1 and ratios.train > 0:
+            n_val, n_test = min(n_val, max(0, len(idx) - 1)), 0
+        for rank, j in enumerate(order):
+            splits[idx[j]] = "val" if rank < n_val else "test" if rank < n_val + n_test else "train"
+    return [Video(path, label, split or "train") for (path, label, _), split in zip(entries, splits)]

@@ -1,0 +1,366 @@
+"""The clip store's HDF5 layout: the writer and the reader side by side.
+
+No other module knows a dataset name. A store is a directory:
+
+    index.h5                 virtual datasets over the shards, classes, splits, the video table,
+                             the shard table (size per shard), format version and parameters
+    params.json              the parameters that made the store (written first, checked on rerun)
+    videos.json              the scanned video table (ids are positions in it), kept for reruns
+    shards/shard-NNNNN.h5    one writer's clips: clips [N, T, H, W, 3] uint8 (raw, one clip per chunk)
+                             or [N, T] JPEG bytes (jpeg); labels, video_ids, clip_index, start_times
+    shards/shard-NNNNN.json  the commit marker: what the shard holds, and the videos that failed
+    errors.jsonl             every video that failed or was skipped, and why
+
+A shard is written under a temporary name, flushed, renamed, and only then
+marked: a shard without a marker is not part of the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+
+FORMAT_VERSION = 1
+Codec = Literal["raw", "jpeg"]
+# Chunks aligned to a Lustre stripe-friendly boundary (1 MiB) once they are at least 64 KiB.
+ALIGN_THRESHOLD = 64 * 1024
+ALIGN_INTERVAL = 1024 * 1024
+SPLIT_NAMES = ("train", "val", "test")
+
+
+class StoreError(ValueError):
+    """A clip store that cannot be used as it is; the message names the file and what to do."""
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}"
+
+
+def _h5(path: Path, mode: str) -> h5py.File:
+    # locking=False: HDF5's file locks fail or hang on Lustre and NFS (h5py #1101).
+    if mode == "r":
+        return h5py.File(path, "r", locking=False)
+    return h5py.File(path, mode, locking=False, alignment_threshold=ALIGN_THRESHOLD, alignment_interval=ALIGN_INTERVAL)
+
+
+# --------------------------------------------------------------------------- writing
+class ShardWriter:
+    """Appends the clips of whole videos to one shard file; :meth:`commit` makes it part of the store."""
+
+    def __init__(self, store: Path, number: int, clip_shape: tuple[int, int, int], codec: Codec, jpeg_quality: int = 90):
+        self.store, self.number, self.codec, self.jpeg_quality = Path(store), number, codec, jpeg_quality
+        self.final = self.store / "shards" / f"{shard_name(number)}.h5"
+        self.tmp = self.final.with_suffix(".h5.tmp")
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.file = _h5(self.tmp, "w")
+        t, h, w = clip_shape
+        if codec == "raw":
+            self.clips = self.file.create_dataset(
+                "clips", shape=(0, t, h, w, 3), maxshape=(None, t, h, w, 3), dtype=np.uint8, chunks=(1, t, h, w, 3)
+            )
+        else:
+            self.clips = self.file.create_dataset(
+                "clips", shape=(0, t), maxshape=(None, t), dtype=h5py.vlen_dtype(np.uint8), chunks=(1, t)
+            )
+        self.columns = {
+            name: self.file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
+            for name, dtype in (("labels", np.int64), ("video_ids", np.int64), ("clip_index", np.int32), ("start_times", np.float64))
+        }
+        self.file.attrs["format_version"] = FORMAT_VERSION
+        self.file.attrs["codec"] = codec
+        self.videos: dict[int, dict[str, Any]] = {}
+        self.failed: dict[int, str] = {}
+        self.num_clips = 0
+
+    def add_video(self, video_id: int, label: int, clips: np.ndarray, starts: list[float], info: dict[str, Any]) -> None:
+        n = len(clips)
+        lo, hi = self.num_clips, self.num_clips + n
+        if n:
+            self.clips.resize(hi, axis=0)
+            self.clips[lo:hi] = clips if self.codec == "raw" else encode_jpeg(clips, self.jpeg_quality)
+            for name, values in (
+                ("labels", [label] * n), ("video_ids", [video_id] * n), ("clip_index", range(n)), ("start_times", starts),
+            ):  # fmt: skip
+                self.columns[name].resize(hi, axis=0)
+                self.columns[name][lo:hi] = np.asarray(list(values))
+        self.num_clips = hi
+        self.videos[video_id] = {**info, "clips": n}
+
+    def add_failure(self, video_id: int, reason: str) -> None:
+        self.failed[video_id] = reason
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.id.get_filesize()
+
+    def commit(self) -> dict[str, Any]:
+        """Flush, rename into place, then write the marker; returns the marker."""
+        self.file.attrs["num_clips"] = self.num_clips
+        self.file.flush()
+        self.file.close()
+        os.replace(self.tmp, self.final)
+        stat = self.final.stat()
+        marker = {
+            "shard": self.final.name,
+            "number": self.number,
+            "num_clips": self.num_clips,
+            "size": stat.st_size,
+            "videos": {str(k): v for k, v in self.videos.items()},
+            "failed": {str(k): v for k, v in self.failed.items()},
+        }
+        _write_json_atomic(self.final.with_suffix(".json"), marker)
+        return marker
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def encode_jpeg(clips: np.ndarray, quality: int) -> np.ndarray:
+    """``[N, T, H, W, 3]`` uint8 to an ``[N, T]`` object array of JPEG bytes (one per frame)."""
+    from PIL import Image
+
+    out = np.empty(clips.shape[:2], dtype=object)
+    for i in range(clips.shape[0]):
+        for t in range(clips.shape[1]):
+            buffer = io.BytesIO()
+            Image.fromarray(clips[i, t]).save(buffer, format="JPEG", quality=quality)
+            out[i, t] = np.frombuffer(buffer.getvalue(), dtype=np.uint8)
+    return out
+
+
+def decode_jpeg(frames: Iterable[np.ndarray]) -> np.ndarray:
+    """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8."""
+    import torch
+    from torchvision.io import decode_jpeg as tv_decode
+
+    decoded = tv_decode([torch.from_numpy(np.asarray(f)) for f in frames])
+    return np.stack([d.permute(1, 2, 0).numpy() for d in decoded])
+
+
+def committed_markers(store: Path) -> list[dict[str, Any]]:
+    """Markers of the shards that finished, in shard-number order; half-written shards are removed."""
+    shards = Path(store) / "shards"
+    if not shards.is_dir():
+        return []
+    for stale in shards.glob("*.h5.tmp"):
+        stale.unlink()
+    markers = []
+    for path in sorted(shards.glob("shard-*.json")):
+        marker = json.loads(path.read_text())
+        if (shards / marker["shard"]).exists():
+            markers.append(marker)
+        else:
+            path.unlink()  # a marker without its shard: the shard was lost, redo its videos
+    return markers
+
+
+def write_params(store: Path, params: dict[str, Any], overwrite: bool) -> None:
+    """Record the parameters before anything is written; refuse to mix parameters in one store."""
+    path = Path(store) / "params.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != params and not overwrite:
+            changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+            raise StoreError(
+                f"{store} was packed with other parameters ({', '.join(changed)} differ); "
+                "pack into a new directory, or pass --overwrite to rebuild it"
+            )
+        if old != params:
+            remove_store(store)
+    Path(store).mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(path, params)
+
+
+def remove_store(store: Path) -> None:
+    store = Path(store)
+    for pattern in ("shards/shard-*", "index.h5", "errors.jsonl", "params.json", "videos.json"):
+        for path in store.glob(pattern):
+            path.unlink()
+
+
+def write_index(
+    store: Path,
+    videos: list[dict[str, Any]],
+    classes: list[str],
+    params: dict[str, Any],
+    markers: list[dict[str, Any]],
+) -> Path:
+    """Write ``index.h5`` (under a temporary name, then renamed) from the committed shards.
+
+    ``videos`` is the video table in id order: path, label (index), split, and
+    what decoding found (frames, fps, duration, status).
+    """
+    store = Path(store)
+    counts = [m["num_clips"] for m in markers]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    total = int(offsets[-1])
+    tmp = store / "index.h5.tmp"
+    with _h5(tmp, "w") as f:
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["params"] = json.dumps(params, sort_keys=True)
+        f.attrs["num_clips"] = total
+        f.create_dataset("classes", data=np.array(classes, dtype=object), dtype=h5py.string_dtype())
+        table = f.create_group("videos")
+        for key, dtype in (("path", h5py.string_dtype()), ("split", h5py.string_dtype()), ("status", h5py.string_dtype())):
+            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=object), dtype=dtype)
+        for key, dtype in (("label", np.int64), ("frames", np.int64), ("num_clips", np.int64)):
+            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=dtype))
+        for key in ("fps", "duration"):
+            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=np.float64))
+        shards = f.create_group("shards")
+        shards.create_dataset("name", data=np.array([m["shard"] for m in markers], dtype=object), dtype=h5py.string_dtype())
+        shards.create_dataset("size", data=np.array([m["size"] for m in markers], dtype=np.int64))
+        shards.create_dataset("num_clips", data=np.array(counts, dtype=np.int64))
+        shards.create_dataset("offset", data=offsets[:-1])
+        video_ids = np.empty(total, np.int64)
+        clip_index = np.empty(total, np.int64)
+        for name in ("clips", "labels", "video_ids", "clip_index", "start_times"):
+            layout = None
+            for m, lo in zip(markers, offsets):
+                if not m["num_clips"]:
+                    continue
+                with _h5(store / "shards" / m["shard"], "r") as shard:
+                    ds = shard[name]
+                    if layout is None:
+                        layout = h5py.VirtualLayout(shape=(total, *ds.shape[1:]), dtype=ds.dtype)
+                    layout[lo : lo + m["num_clips"]] = h5py.VirtualSource(f"shards/{m['shard']}", name, shape=ds.shape)
+                    if name == "video_ids":
+                        video_ids[lo : lo + m["num_clips"]] = ds[:]
+                    elif name == "clip_index":
+                        clip_index[lo : lo + m["num_clips"]] = ds[:]
+            if layout is not None:
+                f.create_virtual_dataset(name, layout)
+        # Index order: by video, then by clip, whichever rank wrote what.
+        order = np.lexsort((clip_index, video_ids)) if total else np.zeros(0, np.int64)
+        f.create_dataset("order", data=order.astype(np.int64))
+        split_of_video = np.array([v["split"] for v in videos], dtype=object)
+        splits = f.create_group("splits")
+        for split in SPLIT_NAMES:
+            chosen = order[split_of_video[video_ids[order]] == split] if total else order
+            splits.create_dataset(split, data=chosen.astype(np.int64))
+    os.replace(tmp, store / "index.h5")
+    return store / "index.h5"
+
+
+def write_errors(store: Path, errors: list[dict[str, Any]]) -> None:
+    tmp = Path(store) / "errors.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
+    os.replace(tmp, Path(store) / "errors.jsonl")
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- reading
+@dataclasses.dataclass
+class ClipStore:
+    """A packed store, opened for reading. Shard files are opened lazily, once per process.
+
+    A handle opened before a DataLoader forks gives wrong data in the workers
+    (pytorch #11887), so handles are keyed by process id and opened on first use.
+    """
+
+    root: Path
+    classes: list[str]
+    params: dict[str, Any]
+    codec: Codec
+    labels: np.ndarray
+    video_ids: np.ndarray
+    clip_index: np.ndarray
+    start_times: np.ndarray
+    order: np.ndarray
+    splits: dict[str, np.ndarray]
+    videos: dict[str, np.ndarray]
+    shard_names: list[str]
+    shard_offsets: np.ndarray
+    _handles: dict[tuple[int, int], h5py.File] = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, root: Path) -> ClipStore:
+        root = Path(root)
+        index = root / "index.h5"
+        if not index.exists():
+            raise StoreError(f"{root} has no index.h5: it is not a clip store, or its packing job has not finished")
+        with _h5(index, "r") as f:
+            if f.attrs.get("format_version") != FORMAT_VERSION:
+                raise StoreError(f"{index}: format version {f.attrs.get('format_version')} is not {FORMAT_VERSION}; repack it")
+            names = [n.decode() if isinstance(n, bytes) else n for n in f["shards/name"][:]]
+            sizes = f["shards/size"][:]
+            _check_shards(root, names, sizes)
+            params = json.loads(f.attrs["params"])
+            total = int(f.attrs["num_clips"])
+            columns = {k: (f[k][:] if total else np.zeros(0)) for k in ("labels", "video_ids", "clip_index", "start_times")}
+            videos = {k: f["videos"][k][:] for k in f["videos"]}
+            for k in ("path", "split", "status"):
+                videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
+            return cls(
+                root=root,
+                classes=[c.decode() if isinstance(c, bytes) else c for c in f["classes"][:]],
+                params=params,
+                codec=params["codec"],
+                labels=columns["labels"].astype(np.int64),
+                video_ids=columns["video_ids"].astype(np.int64),
+                clip_index=columns["clip_index"].astype(np.int64),
+                start_times=columns["start_times"].astype(np.float64),
+                order=f["order"][:],
+                splits={s: f["splits"][s][:] for s in SPLIT_NAMES},
+                videos=videos,
+                shard_names=names,
+                shard_offsets=f["shards/offset"][:],
+            )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read_clip(self, position: int) -> np.ndarray:
+        """The clip at ``position`` (a position in the store, as in ``order`` and ``splits``), ``[T, H, W, 3]`` uint8."""
+        s = int(np.searchsorted(self.shard_offsets, position, side="right") - 1)
+        clips = self._shard(s)["clips"]
+        local = int(position - self.shard_offsets[s])
+        if self.codec == "raw":
+            return clips[local]
+        return decode_jpeg(clips[local])
+
+    def _shard(self, s: int) -> h5py.File:
+        key = (os.getpid(), s)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = _h5(self.root / "shards" / self.shard_names[s], "r")
+        return handle
+
+    def close(self) -> None:
+        for key, handle in list(self._handles.items()):
+            if key[0] == os.getpid():
+                handle.close()
+            del self._handles[key]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open HDF5 handles never cross a fork or a pickle: each process opens its own.
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state
+
+
+def _check_shards(root: Path, names: list[str], sizes: np.ndarray) -> None:
+    """An HDF5 virtual dataset returns zeros for a missing source file; refuse instead."""
+    for name, size in zip(names, sizes):
+        path = root / "shards" / name
+        if not path.exists():
+            raise StoreError(f"{path} is missing from the store; rerun the packing job on {root} to rebuild it")
+        if path.stat().st_size != int(size):
+            raise StoreError(
+                f"{path} is {path.stat().st_size} bytes but the index says {int(size)} (truncated or replaced); "
+                f"rerun the packing job on {root} with --overwrite"
+            )

@@ -1,0 +1,141 @@
+"""A small labelled video corpus made locally, for the demo, tests and benchmarks.
+
+Six classes of a shape that moves right, left, up or down, or a bar that turns
+clockwise or counter-clockwise: one frame cannot tell the class, so a model
+must use time. Videos are encoded with PyAV at mixed codecs, sizes, lengths
+and GOPs; a few deliberately odd files (a rotation tag, no duration, shorter
+than a clip) and broken ones can be added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+from pathlib import Path
+
+import av
+import numpy as np
+
+CLASSES = ["move_right", "move_left", "move_up", "move_down", "turn_clockwise", "turn_counterclockwise"]
+
+# (codec, container extension, pixel format)
+CODECS = [("libx264", "mp4", "yuv420p"), ("mpeg4", "avi", "yuv420p"), ("libvpx-vp9", "webm", "yuv420p"), ("mjpeg", "mkv", "yuvj420p")]
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoSpec:
+    label: str
+    frames: int = 48
+    fps: int = 25
+    width: int = 96
+    height: int = 72
+    codec: str = "libx264"
+    gop: int = 12
+    seed: int = 0
+
+
+def render_frames(spec: VideoSpec) -> np.ndarray:
+    """The frames of one video, ``[N, H, W, 3]`` uint8 RGB."""
+    rng = np.random.default_rng(spec.seed)
+    h, w = spec.height, spec.width
+    yy, xx = np.mgrid[0:h, 0:w]
+    background = rng.integers(0, 60, size=3)
+    color = rng.integers(150, 256, size=3)
+    size = max(6, min(h, w) // 5)
+    start = rng.uniform(0.25, 0.75, size=2)  # (x, y) as fractions of the frame
+    speed = rng.uniform(0.6, 1.0) / spec.frames  # a full sweep takes about one video
+    angle0 = rng.uniform(0, math.pi)
+    frames = np.empty((spec.frames, h, w, 3), np.uint8)
+    for t in range(spec.frames):
+        img = np.empty((h, w, 3), np.uint8)
+        img[:] = background
+        if spec.label.startswith("move_"):
+            dx, dy = {"move_right": (1, 0), "move_left": (-1, 0), "move_up": (0, -1), "move_down": (0, 1)}[spec.label]
+            cx = ((start[0] + dx * speed * t) % 1.0) * w
+            cy = ((start[1] + dy * speed * t) % 1.0) * h
+            mask = (np.abs(xx - cx) < size) & (np.abs(yy - cy) < size)
+        else:
+            sign = 1 if spec.label == "turn_clockwise" else -1
+            theta = angle0 + sign * 2 * math.pi * t / max(spec.frames, 24)
+            cx, cy = w / 2, h / 2
+            # Distance from the line through the centre at angle theta, limited to a bar's length.
+            along = (xx - cx) * math.cos(theta) + (yy - cy) * math.sin(theta)
+            across = -(xx - cx) * math.sin(theta) + (yy - cy) * math.cos(theta)
+            mask = (np.abs(across) < size / 3) & (np.abs(along) < min(h, w) * 0.4)
+        img[mask] = color
+        frames[t] = img
+    return frames
+
+
+def write_video(path: Path, spec: VideoSpec, container_format: str | None = None) -> Path:
+    """Encode ``spec`` to ``path`` with PyAV."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pix_fmt = "yuvj420p" if spec.codec == "mjpeg" else "yuv420p"
+    with av.open(str(path), "w", format=container_format) as out:
+        stream = out.add_stream(spec.codec, rate=spec.fps)
+        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, pix_fmt
+        stream.codec_context.gop_size = spec.gop
+        if spec.codec == "libx264":
+            stream.options = {"preset": "ultrafast", "crf": "18"}
+        for frame in render_frames(spec):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def tag_rotation(path: Path, degrees: int) -> None:
+    """Set an mp4's display matrix (the 'rotate' tag) so players turn it by ``degrees`` clockwise.
+
+    FFmpeg's muxer ignores a 'rotate' metadata key nowadays; the matrix in the
+    track header is what readers honour, so we write it directly.
+    """
+    data = bytearray(path.read_bytes())
+    at = data.find(b"tkhd")
+    if at < 0:
+        raise ValueError(f"{path}: no track header to tag")
+    version = data[at + 4]
+    matrix = at + 4 + 4 + (28 if version == 1 else 20) + 8 + 8
+    cos, sin = round(math.cos(math.radians(degrees))), round(math.sin(math.radians(degrees)))
+    data[matrix : matrix + 36] = struct.pack(">9i", cos << 16, sin << 16, 0, -sin << 16, cos << 16, 0, 0, 0, 1 << 30)
+    path.write_bytes(bytes(data))
+
+
+def make_corpus(
+    root: Path, videos_per_class: int = 4, frames: tuple[int, int] = (40, 72), seed: int = 0, classes: list[str] | None = None
+) -> list[Path]:
+    """A class-per-folder corpus under ``root``: codecs, sizes, lengths and GOPs vary by video."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for label in classes or CLASSES:
+        for i in range(videos_per_class):
+            codec, ext, _ = CODECS[len(paths) % len(CODECS)]
+            width, height = [(96, 72), (128, 96), (80, 80), (112, 64)][int(rng.integers(4))]
+            spec = VideoSpec(
+                label=label, frames=int(rng.integers(frames[0], frames[1] + 1)), fps=int(rng.choice([24, 25, 30])),
+                width=width, height=height, codec=codec, gop=int(rng.choice([6, 12, 30])), seed=int(rng.integers(1 << 30)),
+            )  # fmt: skip
+            paths.append(write_video(root / label / f"{label}_{i:03d}.{ext}", spec))
+    return paths
+
+
+def add_broken_files(root: Path, label: str) -> list[Path]:
+    """Files that must end in errors.jsonl, never in a crash: each kind of broken video once."""
+    folder = root / label
+    folder.mkdir(parents=True, exist_ok=True)
+    good = write_video(folder / "_source.mp4", VideoSpec(label=label, frames=40))
+    data = good.read_bytes()
+    good.unlink()
+    broken = {
+        "zero_bytes.mp4": b"",
+        "not_a_video.mp4": b"this is a text file with a video's name\n" * 20,
+        "truncated.mp4": data[: len(data) // 3],
+        "corrupt.mp4": data[:64] + bytes(np.random.default_rng(1).integers(0, 256, len(data) - 64, dtype=np.uint8)),
+    }
+    paths = []
+    for name, content in broken.items():
+        (folder / name).write_bytes(content)
+        paths.append(folder / name)
+    return paths
