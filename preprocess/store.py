@@ -139,11 +139,9 @@ def encode_jpeg(clips: np.ndarray, quality: int) -> np.ndarray:
 
 def decode_jpeg(frames: Iterable[np.ndarray]) -> np.ndarray:
     """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8."""
-    import torch
-    from torchvision.io import decode_jpeg as tv_decode
+    from PIL import Image
 
-    decoded = tv_decode([torch.from_numpy(np.asarray(f)) for f in frames])
-    return np.stack([d.permute(1, 2, 0).numpy() for d in decoded])
+    return np.stack([np.asarray(Image.open(io.BytesIO(np.asarray(f).tobytes())).convert("RGB")) for f in frames])
 
 
 def committed_markers(store: Path) -> list[dict[str, Any]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.mpi import mpiexec_prefix
 
 VENV_BIN = str(Path(sys.executable).parent)
 
@@ -34,10 +36,53 @@ def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mpiexec() -> list[str]:
-    """The MPI launcher that came with the openmpi package, with what root and oversubscription need."""
-    path = shutil.which("mpiexec", path=VENV_BIN) or shutil.which("mpiexec")
-    assert path, "mpiexec is missing: the openmpi package should provide it (./dev.sh setup)"
-    return [path, "--allow-run-as-root", "--oversubscribe"]
+    """The MPI launcher that came with the openmpi package, with the flags root and oversubscription need."""
+    return mpiexec_prefix()
 
+
+SAMPLE_VIDEOS = Path(__file__).resolve().parents[1] / ".cache" / "sample-videos"
+
+
+@pytest.fixture(scope="session")
+def sample_videos() -> list[Path]:
+    """The real sample videos unpacked by ./dev.sh test (bikes.mp4, bigbuckbunny.mp4, carphone_pristine.mp4)."""
+    videos = sorted(SAMPLE_VIDEOS.glob("*.mp4"))
+    assert len(videos) == 3, f"sample videos missing from {SAMPLE_VIDEOS}: run ./dev.sh test, which fetches them"
+    return videos
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory, sample_videos: list[Path]) -> Path:
+    """A class-per-folder corpus: synthetic videos of every codec, odd files, broken files and the real samples."""
+    from clipforge.preprocess import synthetic
+
+    root = tmp_path_factory.mktemp("corpus")
+    synthetic.make_corpus(root, videos_per_class=3, frames=(30, 60), classes=synthetic.CLASSES[:4])
+    synthetic.add_broken_files(root, "move_left")
+    rotated = synthetic.write_video(root / "move_up" / "rotated.mp4", synthetic.VideoSpec("move_up", frames=40, seed=5))
+    synthetic.tag_rotation(rotated, 90)
+    synthetic.write_video(root / "move_up" / "no_duration.h264", synthetic.VideoSpec("move_up", frames=40, seed=6), container_format="h264")
+    synthetic.write_video(root / "move_down" / "short.mp4", synthetic.VideoSpec("move_down", frames=6, seed=7))
+    (root / "move_down" / "notes.txt").write_text("not a video")
+    for video in sample_videos:
+        (root / "samples").mkdir(exist_ok=True)
+        shutil.copy(video, root / "samples" / video.name)
+    return root
+
+
+@pytest.fixture
+def pack(mpiexec):
+    """Run the packing job under ``mpiexec -n N``; returns the completed process."""
+
+    def run(videos: Path, out: Path, ranks: int = 2, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+        argv = [*mpiexec, "-n", str(ranks), sys.executable, "-m", "clipforge.jobs.preprocess",
+                "--videos", str(videos), "--out", str(out), "--clip-frames", "8", "--height", "32", "--width", "32",
+                "--clips-per-video", "3", "--max-shard-clips", "12", *extra]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if check:
+            assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    return run
