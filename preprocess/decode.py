@@ -107,6 +107,15 @@ def decode_clips(path: Path, params: ClipParams) -> VideoClips:
     return VideoClips(fps, duration, frames, clips, [round(float(s), 6) for s in starts])
 
 
+def decode_clip(path: Path, params: ClipParams, start: float) -> np.ndarray:
+    """One clip starting at ``start`` seconds, ``[T, H, W, 3]`` uint8: what on-the-fly loading costs per sample."""
+    with _Source(path, params.decode_threads) as source:
+        rate = source.stream.average_rate or source.stream.guessed_rate
+        fps = float(rate) if rate else 25.0
+        step = 1.0 / params.target_fps if params.target_fps else params.frame_stride / fps
+        return _frames_at(source, [start + i * step for i in range(params.clip_frames)], fps, _Resizer(params))
+
+
 class _Source:
     """An open video that can be positioned at a time: by seeking, or by reopening where seeking is impossible."""
 
