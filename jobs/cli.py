@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from clipforge.hpc import records
 from clipforge.hpc.cluster import LocalCluster
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
     demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
+    demo.add_argument("--workdir", default="runs/demo", help="where the demo corpus, store and runs go")
     demo.set_defaults(func=_demo)
     return parser
 
@@ -145,7 +147,7 @@ def _sbatch_lines(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     demo = importlib.import_module("clipforge.jobs.demo")
-    return demo.run(cluster=args.cluster)
+    return demo.run(cluster=args.cluster, workdir=Path(args.workdir))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,54 @@
 """The main job on the embedded default: what ``clipforge demo`` runs.
 
-With no cluster it runs on submitit's local executor; ``--cluster dev`` runs
-the same stages as Slurm jobs on the local single-node cluster. Stages are
-added here as the rooms land; today: the cluster self-test with 2 ranks.
+With no cluster it runs on submitit's local executor, on a small corpus made
+here; ``--cluster dev`` runs the same stages as Slurm jobs on the local
+single-node cluster. Every stage is skipped or resumed when its output is
+already there, so a rerun does only what is missing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from pathlib import Path
 
 from clipforge.hpc.launch import run_script
+from clipforge.preprocess import synthetic
+from clipforge.preprocess.store import ClipStore
 
 log = logging.getLogger("clipforge.demo")
 
 
-def run(cluster: str | None = None) -> int:
-    argv = ["--ntasks-per-node", "2", "--wait", "True"]
-    if cluster:
-        argv += ["--cluster", cluster]
-    log.info("stage 1/1: cluster self-test, 2 ranks, gloo all_reduce")
-    results = run_script("clipforge.jobs.selftest", argv)
-    ok = sorted(r["rank"] for r in results) == [0, 1] and all(r["all_reduce"] == 3.0 for r in results)
-    for r in results:
-        print(f"  rank {r['rank']}/{r['world_size']} via {r['source']}: all_reduce={r['all_reduce']:g} "
-              f"MASTER_ADDR={r['master_addr']} MASTER_PORT={r['master_port']}")
-    print(f"demo: {'OK' if ok else 'FAILED'}: 2 ranks joined one process group through the hpc layer")
-    return 0 if ok else 1
+def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
+    started = time.time()
+    workdir = Path(workdir).resolve()
+    where = ["--cluster", cluster] if cluster else ["--executor", "local"]
+    stages = 2
+
+    log.info("stage 1/%d: cluster self-test, 2 ranks, gloo all_reduce", stages)
+    results = run_script("clipforge.jobs.selftest", [*where, "--ntasks-per-node", "2", "--wait", "True"])
+    if sorted(r["rank"] for r in results) != [0, 1] or any(r["all_reduce"] != 3.0 for r in results):
+        print(f"demo: FAILED: the self-test ranks did not agree: {results}")
+        return 1
+
+    log.info("stage 2/%d: make a labelled corpus and pack it into a clip store with 2 MPI ranks", stages)
+    videos, store = workdir / "videos", workdir / "store"
+    if not (workdir / "videos.complete").exists():
+        synthetic.make_corpus(videos, videos_per_class=8)
+        synthetic.add_broken_files(videos, synthetic.CLASSES[0])
+        (workdir / "videos.complete").write_text("")
+    run_script("clipforge.jobs.preprocess", [*where, "--ntasks-per-node", "2", "--wait", "True", "--videos", str(videos),
+                                             "--out", str(store), "--clip-frames", "16", "--frame-stride", "2",
+                                             "--height", "64", "--width", "64", "--clips-per-video", "4"])  # fmt: skip
+    opened = ClipStore.open(store)
+    errors = (store / "errors.jsonl").read_text().splitlines()
+
+    print()
+    print(f"demo: OK in {time.time() - started:.0f} s")
+    print(f"  self-test   2 ranks joined one process group (ranks from {results[0]['source']})")
+    print(f"  corpus      {videos}  ({len(opened.videos['path'])} videos, {len(opened.classes)} classes, {len(errors)} in errors.jsonl)")
+    print(f"  clip store  {store}  ({len(opened)} clips; train/val/test "
+          f"{'/'.join(str(len(opened.splits[s])) for s in ('train', 'val', 'test'))})")  # fmt: skip
+    print(f"  errors      {store / 'errors.jsonl'}: " + "; ".join(json.loads(e)["path"] for e in errors))
+    return 0

@@ -53,10 +53,16 @@ class Corpus:
 
 @dataclasses.dataclass(frozen=True)
 class SplitRatios:
+    """How videos without a given split are divided, stratified by class."""
+
     train: float = 0.8
+    """Share of each class's videos for training."""
     val: float = 0.1
+    """Share for validation."""
     test: float = 0.1
+    """Share for testing."""
     seed: int = 0
+    """Seed of the split: the same seed always gives the same split."""
 
     def __post_init__(self) -> None:
         if min(self.train, self.val, self.test) < 0 or abs(self.train + self.val + self.test - 1) > 1e-6:
