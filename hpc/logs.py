@@ -1,8 +1,8 @@
 """Logging that reads well in a Slurm output file.
 
 One line per record, a timestamp, the rank, no colours and no carriage
-returns when the output is not a terminal (progress bars included: see
-:func:`progress_options`).
+returns when the output is not a terminal: :class:`Progress` is a tqdm bar on
+a terminal and a plain log line every 30 s in a log file.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
 
 
 def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
@@ -19,13 +23,46 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr, force=True)
 
 
-def progress_options(rank: int = 0) -> dict[str, object]:
-    """tqdm options: a live bar on a terminal; in a log file, a plain line every 30 s or so."""
-    interactive = sys.stderr.isatty()
-    return {
-        "disable": rank != 0,
-        "dynamic_ncols": interactive,
-        "mininterval": 0.5 if interactive else float(os.environ.get("CLIPFORGE_LOG_INTERVAL", 30)),
-        "ascii": not interactive,
-        "file": sys.stderr,
-    }
+class Progress:
+    """Progress of one loop on rank 0: ``update(n, **figures)``; ``close()`` prints the last state.
+
+    tqdm redraws with carriage returns, which turn a Slurm output file into one
+    endless line; off a terminal we log a line per interval instead.
+    """
+
+    def __init__(self, total: int, desc: str, unit: str = "it", enabled: bool = True, interval_s: float | None = None) -> None:
+        self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
+        self.interactive = sys.stderr.isatty()
+        self.interval = interval_s if interval_s is not None else float(os.environ.get("CLIPFORGE_LOG_INTERVAL", 30))
+        self.n, self.figures = 0, {}
+        self.started = self.last = time.monotonic()
+        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True) if enabled and self.interactive else None
+        self.log = logging.getLogger("clipforge.progress")
+
+    def update(self, n: int = 1, **figures: Any) -> None:
+        if not self.enabled:
+            return
+        self.n += n
+        self.figures.update(figures)
+        if self.bar is not None:
+            self.bar.update(n)
+            if figures:
+                self.bar.set_postfix(self.figures, refresh=False)
+        elif time.monotonic() - self.last >= self.interval:
+            self._log_line()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            self._log_line()
+
+    def _log_line(self) -> None:
+        self.last = now = time.monotonic()
+        rate = self.n / max(now - self.started, 1e-9)
+        eta = (self.total - self.n) / rate if rate > 0 and self.total else 0.0
+        extra = "".join(f", {k}={v}" for k, v in self.figures.items())
+        percent = 100 * self.n / self.total if self.total else 100.0
+        self.log.info("%s: %d/%d %s (%.0f%%), %.1f %s/s, ETA %.0f s%s", self.desc, self.n, self.total, self.unit, percent, rate, self.unit, eta, extra)

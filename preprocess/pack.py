@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
+from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
 
 from .corpus import Corpus, CorpusError, SplitRatios, scan
@@ -153,7 +152,7 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
     table, todo = plan["table"], plan["todo"]
     root, classes = Path(table["root"]), table["classes"]
     writer: ShardWriter | None = None
-    bar = tqdm(total=len(todo), unit="video", desc="packing", disable=comm.rank != 0, **_bar_options())
+    bar = Progress(len(todo), "packing", unit="video", enabled=comm.rank == 0)
     shown = 0
     try:
         while True:
@@ -182,9 +181,8 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
                 writer = None
             if comm.rank == 0:
                 done, clips, failed = counters.read(DONE_VIDEOS), counters.read(DONE_CLIPS), counters.read(FAILED)
-                bar.update(done - shown)
+                bar.update(done - shown, clips=clips, errors=failed)
                 shown = done
-                bar.set_postfix(clips=clips, errors=failed, refresh=False)
         if writer is not None:
             writer.commit()
             writer = None
@@ -193,7 +191,7 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
             writer.abandon()
     if comm.rank == 0:
         comm.Barrier()  # the others' last videos
-        bar.update(counters.read(DONE_VIDEOS) - shown)
+        bar.update(counters.read(DONE_VIDEOS) - shown, clips=counters.read(DONE_CLIPS), errors=counters.read(FAILED))
         bar.close()
     else:
         comm.Barrier()
@@ -288,11 +286,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _bar_options() -> dict[str, Any]:
-    from clipforge.hpc.logs import progress_options
-
-    options = progress_options()
-    options.pop("disable")
-    return options
