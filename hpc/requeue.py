@@ -16,10 +16,13 @@ less every signal counts against the timeout budget.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
 from collections.abc import Callable
 
 import submitit
 from submitit.helpers import Checkpointable
+from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
 from .distenv import dist_env
 
@@ -58,3 +61,46 @@ class RequeueableJob(Checkpointable):
             return None
         log.warning("state saved; requeuing (restart %d of at most %d)", restarts + 1, self.max_requeues)
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+class Preemption:
+    """USR2 (time limit near, or preemption) noticed on any rank, acted on by all at a step boundary.
+
+    A collective job (DeepSpeed, gloo) must save its checkpoint on every rank
+    together, which submitit's rank-0 handler cannot do; so jobs that train
+    install this handler instead, poll :meth:`requested` once per step, save,
+    then call :meth:`requeue`.
+    """
+
+    def __init__(self, max_requeues: int = 3) -> None:
+        self.max_requeues = max_requeues
+        self.flag = False
+        signal.signal(signal.SIGUSR2, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("received %s: will checkpoint at the end of this step", signal.Signals(signum).name)
+        self.flag = True
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (an all-reduce, so every rank gives the same answer)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.flag
+        flag = torch.tensor([1 if self.flag else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def requeue(self) -> None:
+        """Ask the scheduler to run the job again (rank 0), then end this process; bounded by max_requeues."""
+        env = dist_env()
+        if env.job_id is None or env.restart_count >= self.max_requeues:
+            log.warning("checkpoint saved; not requeuing (restart %d, bound %d)", env.restart_count, self.max_requeues)
+            raise SystemExit(1)
+        if env.source == "submitit-local":
+            raise SystemExit(LOCAL_REQUEUE_RETURN_CODE)  # submitit's local controller restarts the tasks
+        if env.rank == 0:
+            log.warning("checkpoint saved; requeuing job %s (restart %d of at most %d)", env.job_id, env.restart_count + 1, self.max_requeues)
+            subprocess.run(["scontrol", "requeue", env.job_id], check=False)
+        raise SystemExit(0)

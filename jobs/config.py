@@ -78,8 +78,16 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """The resolved config as plain data, for ``config.yaml`` in a run directory."""
-    return dataclasses.asdict(config)
+    """The resolved config as plain data (paths as strings), for ``config.yaml`` in a run directory."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return plain(dataclasses.asdict(config))
 
 
 def guarded(main: Callable[[], Any]) -> Callable[[], int]:

@@ -1,0 +1,204 @@
+"""Model builders by name: ``create_model("videovit-tiny", ...)``, ``create_model("r2plus1d_18", ...)``.
+
+Every model takes uint8 clips ``[B, T, H, W, 3]`` straight from the clip store
+(normalisation is its first layer, on the device) and is a flat sequence of
+layers, so it can also be built stage by stage for a pipeline. Each builder
+states the input it accepts; a clip store that cannot provide it is refused
+before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import videovit
+
+# Kinetics statistics, as torchvision's video models were trained with.
+KINETICS_MEAN = (0.43216, 0.394666, 0.37645)
+KINETICS_STD = (0.22803, 0.22145, 0.216989)
+
+
+class ModelError(ValueError):
+    """A model name, size or input that cannot work; the message says what to choose instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """The clips a model accepts."""
+
+    frames: int | None = None
+    """Exactly this many frames, or any when None."""
+    size: int | None = None
+    """Exactly this height and width, or any when None."""
+    frames_multiple: int = 1
+    size_multiple: int = 1
+    min_size: int = 16
+
+    def problem(self, frames: int, height: int, width: int) -> str | None:
+        if self.frames is not None and frames != self.frames:
+            return f"needs {self.frames} frames per clip, the clips have {frames}"
+        if self.size is not None and (height, width) != (self.size, self.size):
+            return f"needs {self.size}x{self.size} frames, the clips are {height}x{width}"
+        if frames % self.frames_multiple:
+            return f"needs a multiple of {self.frames_multiple} frames, the clips have {frames}"
+        if height % self.size_multiple or width % self.size_multiple or min(height, width) < self.min_size:
+            return f"needs frames at least {self.min_size} px and a multiple of {self.size_multiple}, the clips are {height}x{width}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a builder produces for given classes and input: its layers, in order, and its cost."""
+
+    name: str
+    layers: list[tuple[Callable[..., nn.Module], tuple]]
+    """(layer constructor, arguments): a pipeline stage builds only its own."""
+    input: InputSpec
+    splittable: bool
+    """Whether the layers may be cut into pipeline stages (False: one opaque layer)."""
+    flops: Callable[[], int] | None = None
+    """Analytic forward FLOPs per clip, where known."""
+
+    def build(self) -> nn.Sequential:
+        return nn.Sequential(*[make(*args) for make, args in self.layers])
+
+
+class Normalize(nn.Module):
+    """uint8 ``[B, T, H, W, 3]`` to normalised float ``[B, 3, T, H, W]`` (torchvision's video layout)."""
+
+    def __init__(self, mean: tuple[float, ...] = KINETICS_MEAN, std: tuple[float, ...] = KINETICS_STD) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1, 1) * 255, persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1, 1) * 255, persistent=False)
+
+    def forward(self, clips: torch.Tensor) -> torch.Tensor:
+        dtype = self.mean.dtype if not torch.is_floating_point(clips) else clips.dtype
+        x = clips.permute(0, 4, 1, 2, 3).to(dtype)
+        return ((x - self.mean) / self.std).contiguous()
+
+
+class MeanOver(nn.Module):
+    """Mean over the given dimensions (S3D's head ends with one)."""
+
+    def __init__(self, dims: tuple[int, ...]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=self.dims)
+
+
+def _torchvision_part(name: str, num_classes: int, part: str) -> nn.Module:
+    """One top-level part of a torchvision video model (each stage builds the whole model once, keeps one part)."""
+    import torchvision.models.video as tvv
+
+    model = getattr(tvv, name)(weights=None, num_classes=num_classes)
+    return model if part == "" else getattr(model, part)
+
+
+def _torchvision(name: str, num_classes: int, parts: list[str], spec: InputSpec, tail: list[tuple[Callable, tuple]] = ()) -> Architecture:
+    layers: list[tuple[Callable[..., nn.Module], tuple]] = [(Normalize, ())]
+    for part in parts:
+        layers.append((_torchvision_part, (name, num_classes, part)))
+        if part == "avgpool" and name.startswith(("r3d", "mc3", "r2plus1d")):
+            layers.append((nn.Flatten, (1,)))
+    layers += list(tail)
+    return Architecture(name, layers, spec, splittable=parts != [""])
+
+
+_RESNET_PARTS = ["stem", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc"]
+TORCHVISION: dict[str, Callable[[int], Architecture]] = {
+    "r3d_18": lambda k: _torchvision("r3d_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
+    "mc3_18": lambda k: _torchvision("mc3_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
+    "r2plus1d_18": lambda k: _torchvision("r2plus1d_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
+    "s3d": lambda k: _torchvision("s3d", k, ["features", "avgpool", "classifier"], InputSpec(frames_multiple=8, min_size=224), [(MeanOver, ((2, 3, 4),))]),
+    # MViT reshapes tokens to a fixed grid: 112 px fails inside with a reshape error, so refuse it up front.
+    "mvit_v1_b": lambda k: _torchvision("mvit_v1_b", k, [""], InputSpec(frames=16, size=224)),
+    "mvit_v2_s": lambda k: _torchvision("mvit_v2_s", k, [""], InputSpec(frames=16, size=224)),
+    "swin3d_t": lambda k: _torchvision("swin3d_t", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
+    "swin3d_s": lambda k: _torchvision("swin3d_s", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
+    "swin3d_b": lambda k: _torchvision("swin3d_b", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
+}
+
+
+def videovit_config(name: str, num_classes: int, frames: int, image_size: int, **overrides) -> videovit.VideoViTConfig:
+    size = name.removeprefix("videovit-")
+    if size not in videovit.SIZES:
+        raise ModelError(f"model {name!r}: size {size!r} is not one of {', '.join(videovit.SIZES)}")
+    depth, width, heads, mlp = videovit.SIZES[size]
+    base = dict(num_classes=num_classes, frames=frames, image_size=image_size, depth=depth, width=width, heads=heads, mlp_dim=mlp)
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if "tubelet" in base:
+        base["tubelet"] = tuple(base["tubelet"])
+    return videovit.VideoViTConfig(**base)
+
+
+def architecture(name: str, num_classes: int, frames: int = 16, image_size: int = 224, **overrides) -> Architecture:
+    """The architecture called ``name`` for ``num_classes`` classes and clips of ``frames`` x ``image_size``."""
+    if name.startswith("videovit-"):
+        cfg = videovit_config(name, num_classes, frames, image_size, **overrides)
+        t, p, q = cfg.tubelet
+        spec = InputSpec(frames_multiple=t, size_multiple=max(p, q), min_size=max(p, q))
+        return Architecture(name, videovit.layer_specs(cfg), spec, splittable=True, flops=lambda: videovit.flops_per_clip(cfg))
+    if name in TORCHVISION:
+        if overrides:
+            raise ModelError(f"model {name!r} takes no architecture options ({', '.join(overrides)}); they apply to videovit-*")
+        return TORCHVISION[name](num_classes)
+    raise ModelError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
+
+
+def model_names() -> list[str]:
+    return [f"videovit-{s}" for s in videovit.SIZES] + list(TORCHVISION)
+
+
+def create_model(name: str, num_classes: int, frames: int = 16, image_size: int = 224, weights: Path | None = None, **overrides) -> nn.Sequential:
+    """Build the whole model in this process; ``weights`` is a local safetensors file (never a download)."""
+    model = architecture(name, num_classes, frames, image_size, **overrides).build()
+    if weights is not None:
+        load_weights(model, weights)
+    return model
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load safetensors weights strictly; ``.pt`` only through ``torch.load(weights_only=True)``."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    elif path.suffix in (".pt", ".pth"):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        raise ModelError(f"{path}: weights must be a .safetensors file (or .pt, loaded without unpickling code)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelError(f"{path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def count_flops(model: nn.Module, frames: int, image_size: int) -> int:
+    """Forward FLOPs of one clip, counted by torch's FlopCounterMode (for models without a formula)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    clip = torch.zeros(1, frames, image_size, image_size, 3, dtype=torch.uint8)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.eval()(clip)
+    return int(counter.get_total_flops())
+
+
+def describe(name: str, num_classes: int = 400, frames: int = 16, image_size: int = 224) -> dict[str, object]:
+    """Parameters and FLOPs per clip of a named model (the ``describe`` command)."""
+    arch = architecture(name, num_classes, frames, image_size)
+    if name.startswith("videovit-"):
+        cfg = videovit_config(name, num_classes, frames, image_size)
+        params = videovit.parameters_estimate(cfg)
+        flops = videovit.flops_per_clip(cfg)
+    else:
+        model = arch.build()
+        params = sum(p.numel() for p in model.parameters())
+        flops = count_flops(model, frames, image_size) if arch.input.problem(frames, image_size, image_size) is None else 0
+    return {"model": name, "parameters": params, "gflops_per_clip": flops / 1e9, "input": dataclasses.asdict(arch.input), "pipeline": arch.splittable}
