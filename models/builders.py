@@ -64,8 +64,14 @@ class Architecture:
     flops: Callable[[], int] | None = None
     """Analytic forward FLOPs per clip, where known."""
 
-    def build(self) -> nn.Sequential:
-        return nn.Sequential(*[make(*args) for make, args in self.layers])
+    def build(self, seed: int | None = None) -> nn.Sequential:
+        """The whole model; with ``seed``, layer i is initialised from seed + i, as a pipeline stage would."""
+        layers = []
+        for i, (make, args) in enumerate(self.layers):
+            if seed is not None:
+                torch.manual_seed(seed + i)
+            layers.append(make(*args))
+        return nn.Sequential(*layers)
 
 
 class Normalize(nn.Module):

@@ -239,9 +239,12 @@ class Trainer:
                 loss_fn=self._loss,
                 partition_method=s.parallel.partition_method,
                 activation_checkpoint_interval=1 if s.parallel.activation_checkpointing else 0,
+                seed_layers=True,
+                seed_fn=torch.manual_seed,
+                base_seed=s.seed,
             )
         else:
-            model = self.arch.build()
+            model = self.arch.build(seed=s.seed)
             if s.model.weights is not None:
                 from .builders import load_weights
 
@@ -522,7 +525,7 @@ class Trainer:
         return {k: v.float() for k, v in state.items()}
 
     def _evaluate_plain(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        model = self.arch.build()
+        model = self.arch.build(seed=self.settings.seed)
         model.load_state_dict(state)
         return evaluate_model(model, self.eval_set, self.settings.batch_per_rank, self.settings.data.crop)
 

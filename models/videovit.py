@@ -71,6 +71,7 @@ class Embedding(nn.Module):
             self.position = nn.Parameter(torch.randn(1, cfg.tokens, cfg.width) * 0.02)
         else:
             self.register_buffer("position", sincos_3d(cfg.grid, cfg.width), persistent=False)
+        init_weights(self)
 
     def forward(self, clips: torch.Tensor) -> torch.Tensor:
         x = clips.permute(0, 4, 1, 2, 3).to(self.proj.weight.dtype)
@@ -136,6 +137,7 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.width)
         self.mlp = nn.Sequential(nn.Linear(cfg.width, cfg.mlp_dim), nn.GELU(), nn.Linear(cfg.mlp_dim, cfg.width))
         self.drop_path = drop_path
+        init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.attention == "divided":
@@ -175,6 +177,7 @@ class Head(nn.Module):
         self.pool = cfg.pool
         self.norm = nn.LayerNorm(cfg.width)
         self.fc = nn.Linear(cfg.width, cfg.num_classes)
+        init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -194,10 +197,10 @@ class VideoViT(nn.Sequential):
     def __init__(self, cfg: VideoViTConfig) -> None:
         super().__init__(*[cls(*args) for cls, args in layer_specs(cfg)])
         self.cfg = cfg
-        init_weights(self)
 
 
 def init_weights(module: nn.Module) -> None:
+    """ViT initialisation, applied by each layer to itself (a pipeline stage builds only its own layers)."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)

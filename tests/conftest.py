@@ -86,3 +86,27 @@ def pack(mpiexec):
         return result
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
+    """A small clip store of all six synthetic classes: 8 frames of 32x32 per clip."""
+    from clipforge.preprocess import synthetic
+
+    root = tmp_path_factory.mktemp("tiny")
+    synthetic.make_corpus(root / "videos", videos_per_class=5, frames=(40, 60))
+    out = root / "store"
+    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(root / "videos"), "--out", str(out),
+            "--clip-frames", "8", "--frame-stride", "2", "--height", "32", "--width", "32", "--clips-per-video", "4",
+            "--split.train", "0.6", "--split.val", "0.4", "--split.test", "0.0"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSpeed JIT-builds one op on its first init (20-40 s): keep it for the whole run."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    # Open MPI's UCX one-sided component prints a harmless error on machines without UCX devices.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
