@@ -16,6 +16,7 @@ less every signal counts against the timeout budget.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 from collections.abc import Callable
@@ -76,10 +77,18 @@ class Preemption:
         self.max_requeues = max_requeues
         self.flag = False
         signal.signal(signal.SIGUSR2, self._handle)
+        # submitit ignores SIGTERM (it waits for USR2), but `scontrol requeue` and scancel send only SIGTERM:
+        # a job that ran on would finish a run that Slurm has already requeued, and report it twice.
+        signal.signal(signal.SIGTERM, self._terminate)
 
     def _handle(self, signum, frame) -> None:
         log.warning("received %s: will checkpoint at the end of this step", signal.Signals(signum).name)
         self.flag = True
+
+    def _terminate(self, signum, frame) -> None:
+        log.warning("received SIGTERM (requeued or cancelled): stopping now; the run resumes from its last complete checkpoint")
+        logging.shutdown()
+        os._exit(143)
 
     def requested(self) -> bool:
         """Whether any rank was signalled (an all-reduce, so every rank gives the same answer)."""

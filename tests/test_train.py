@@ -176,3 +176,24 @@ def test_every_named_model_states_its_input_and_builds() -> None:
         model = create_model(name, 6, 8, 32)
         assert model(torch.zeros(1, 8, 32, 32, 3, dtype=torch.uint8)).shape == (1, 6)
     assert architecture("mvit_v2_s", 6).input.problem(16, 112, 112) == "needs 224x224 frames, the clips are 112x112"
+
+
+@pytest.mark.slurm
+def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tiny_store: Path, tmp_path: Path) -> None:
+    from clipforge.hpc.launch import run_script
+
+    args = ["--cluster", "dev", "--ntasks-per-node", "2", "--data.store", str(tiny_store), "--steps", "150",
+            "--eval-every", "1000", "--parallel.zero-stage", "2", *TINY]  # fmt: skip
+    run_script("clipforge.jobs.train", [*args, "--wait", "True", "--run-dir", str(tmp_path / "reference")])
+    run = tmp_path / "requeued"
+    job = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run), "--checkpoint-every", "4"])
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step-00000008" / "complete.json").exists():
+        assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]
+        time.sleep(0.05)
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+    result = job.results()[0]
+    log = Path(str(job.paths.stderr)).read_text()
+    assert "resumed from checkpoint step-000000" in log, log[-3000:]
+    assert result["step"] == 150
+    assert losses(run)[150] == losses(tmp_path / "reference")[150]
