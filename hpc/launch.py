@@ -29,6 +29,9 @@ import subprocess
 import sys
 from typing import Any, Literal
 
+import submitit
+
+from .distenv import LaunchError
 from .executor import make_executor, submit
 from .logs import setup_logging
 from .mpi import mpiexec_command
@@ -104,6 +107,8 @@ def run_script(module: str, argv: list[str] | None = None) -> Any:
     if where == "rank":
         return mod.main(cfg)
     setup_logging()
+    if hasattr(mod, "check"):
+        mod.check(cfg)  # fail here, in one line, not in a job that waited in the queue
     launch: Launch = cfg.launch
     profile = load_profile(launch.cluster)
     if where == "batch":
@@ -133,7 +138,11 @@ def submit_script(module: str, argv: list[str], resources: Resources, launch: La
     if not wait:
         print(f"job {job.job_id} submitted; follow it with: clipforge jobs logs {job.job_id}")
         return job
-    results = job.results()
+    try:
+        results = job.results()
+    except submitit.core.utils.FailedJobError as exc:
+        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or ["no message"]
+        raise LaunchError(f"job {job.job_id} failed: {last[0].strip()} (log: {job.paths.stderr})") from None
     return results[0] if len(results) == 1 else results
 
 

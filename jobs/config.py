@@ -73,6 +73,8 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: {name} is a section; give it as a mapping of settings")
             value = from_dict(kind, value, where=f"{where}: {name}")
+        elif isinstance(value, list) and _accepts_tuple(hints[name]):
+            value = tuple(value)  # YAML has lists only
         values[name] = value
     return cls(**values)
 
@@ -123,6 +125,10 @@ def _pop_config(argv: list[str]) -> tuple[Path, list[str]]:
             rest.append(arg)
     assert path is not None
     return path, rest
+
+
+def _accepts_tuple(hint: Any) -> bool:
+    return hint is tuple or typing.get_origin(hint) is tuple or any(_accepts_tuple(a) for a in typing.get_args(hint))
 
 
 def _dataclass_in(hint: Any) -> type | None:

@@ -14,17 +14,19 @@ import time
 from pathlib import Path
 
 from clipforge.hpc.launch import run_script
+from clipforge.jobs import evaluate
 from clipforge.preprocess import synthetic
 from clipforge.preprocess.store import ClipStore
 
 log = logging.getLogger("clipforge.demo")
+CONFIG = Path(__file__).parent / "configs" / "demo_tiny.yaml"
 
 
 def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     started = time.time()
     workdir = Path(workdir).resolve()
     where = ["--cluster", cluster] if cluster else ["--executor", "local"]
-    stages = 2
+    stages = 4
 
     log.info("stage 1/%d: cluster self-test, 2 ranks, gloo all_reduce", stages)
     results = run_script("clipforge.jobs.selftest", [*where, "--ntasks-per-node", "2", "--wait", "True"])
@@ -35,14 +37,24 @@ def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     log.info("stage 2/%d: make a labelled corpus and pack it into a clip store with 2 MPI ranks", stages)
     videos, store = workdir / "videos", workdir / "store"
     if not (workdir / "videos.complete").exists():
-        synthetic.make_corpus(videos, videos_per_class=8)
+        synthetic.make_corpus(videos, videos_per_class=12)
         synthetic.add_broken_files(videos, synthetic.CLASSES[0])
         (workdir / "videos.complete").write_text("")
     run_script("clipforge.jobs.preprocess", [*where, "--ntasks-per-node", "2", "--wait", "True", "--videos", str(videos),
                                              "--out", str(store), "--clip-frames", "16", "--frame-stride", "2",
-                                             "--height", "64", "--width", "64", "--clips-per-video", "4"])  # fmt: skip
+                                             "--height", "64", "--width", "64", "--clips-per-video", "4",
+                                             "--split.train", "0.7", "--split.val", "0.15", "--split.test", "0.15"])  # fmt: skip
     opened = ClipStore.open(store)
     errors = (store / "errors.jsonl").read_text().splitlines()
+
+    log.info("stage 3/%d: train a tiny video transformer with DeepSpeed ZeRO-2 on 2 ranks", stages)
+    run = workdir / "run"
+    if not (run / "final" / "run.json").exists():
+        run_script("clipforge.jobs.train", [*where, "--ntasks-per-node", "2", "--wait", "True", "--config", str(CONFIG),
+                                            "--data.store", str(store), "--run-dir", str(run)])  # fmt: skip
+
+    log.info("stage 4/%d: evaluate on the held-out test videos", stages)
+    test = evaluate.main(evaluate.Config(run=run, split="test"))
 
     print()
     print(f"demo: OK in {time.time() - started:.0f} s")
@@ -51,4 +63,8 @@ def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     print(f"  clip store  {store}  ({len(opened)} clips; train/val/test "
           f"{'/'.join(str(len(opened.splits[s])) for s in ('train', 'val', 'test'))})")  # fmt: skip
     print(f"  errors      {store / 'errors.jsonl'}: " + "; ".join(json.loads(e)["path"] for e in errors))
+    print(f"  run         {run}  (config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/)")
+    print(f"  weights     {run / 'final' / 'model.safetensors'}")
+    print(f"  test        video top-1 {test['video_top1']:.3f} on {test['videos']} videos (chance {1 / len(opened.classes):.3f}); "
+          f"clip top-1 {test['clip_top1']:.3f}  ({run / 'eval-test.json'})")  # fmt: skip
     return 0

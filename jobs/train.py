@@ -28,7 +28,7 @@ from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.trainer import TrainError, Trainer, TrainSettings
+from clipforge.models.trainer import TrainError, Trainer, TrainSettings, check_settings
 
 log = logging.getLogger("clipforge.train")
 
@@ -45,6 +45,14 @@ class Config(TrainSettings):
 
 def parse(argv: list[str] | None = None) -> Config:
     return config.parse(Config, argv)
+
+
+def check(cfg: Config) -> None:
+    """Refuse a run that cannot work before anything is submitted."""
+    try:
+        check_settings(cfg, cfg.resources.ntasks)
+    except TrainError as exc:
+        raise config.ConfigError(str(exc)) from None
 
 
 def main(cfg: Config) -> dict | None:

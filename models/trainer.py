@@ -127,6 +127,36 @@ class TrainSettings:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
+def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Architecture]:
+    """Everything that can be refused before a single process starts: store, model, input, layout, batch."""
+    from clipforge.preprocess.store import StoreError
+
+    try:
+        store = ClipStore.open(s.data.store)
+        train_set = ClipDataset(store, s.data.train_split)
+        ClipDataset(store, s.data.eval_split)
+    except StoreError as exc:
+        raise TrainError(str(exc)) from None
+    frames, height, width = store.params["clip_frames"], store.params["height"], store.params["width"]
+    size = s.data.crop or height
+    try:
+        arch = architecture(s.model.name, len(store.classes), frames, size, **s.model.overrides())
+        s.parallel.check(world_size, arch.splittable, s.model.name)
+    except (ModelError, ParallelError) as exc:
+        raise TrainError(str(exc)) from None
+    if s.data.crop is not None and s.data.crop > min(height, width):
+        raise TrainError(f"crop {s.data.crop} is larger than the store's {height}x{width} frames")
+    problem = arch.input.problem(frames, size, s.data.crop or width)
+    if problem:
+        raise TrainError(f"model {s.model.name} {problem} (store {s.data.store}); repack the store, change the crop or pick another model")
+    dp = s.parallel.data_parallel(world_size)
+    if len(train_set) < s.batch_per_rank * dp:
+        raise TrainError(f"split {s.data.train_split!r} has {len(train_set)} clips, fewer than one global batch of {s.batch_per_rank * dp}")
+    if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
+        raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
+    return store, arch
+
+
 class StepSampler:
     """The sample indices of every (step, micro-batch, data-parallel rank), computed, not replayed.
 
@@ -183,26 +213,12 @@ class Trainer:
     step: int
 
     def __init__(self, settings: TrainSettings, max_requeues: int = 3) -> None:
-        self.settings = s = settings
+        self.settings = settings
         self.max_requeues = max_requeues
         self.dist = setup_distributed()
-        self.store = ClipStore.open(s.data.store)
-        self.train_set = ClipDataset(self.store, s.data.train_split)
-        self.eval_set = ClipDataset(self.store, s.data.eval_split)
-        frames, height, width = self._clip_shape()
-        size = s.data.crop or height
-        try:
-            self.arch = architecture(s.model.name, len(self.store.classes), frames, size, **s.model.overrides())
-            s.parallel.check(self.dist.world_size, self.arch.splittable, s.model.name)
-        except (ModelError, ParallelError) as exc:
-            raise TrainError(str(exc)) from None
-        problem = self.arch.input.problem(frames, size, s.data.crop or width)
-        if problem:
-            raise TrainError(f"model {s.model.name} {problem} (store {s.data.store}); repack the store or pick another model")
-        if s.data.crop is not None and s.data.crop > min(height, width):
-            raise TrainError(f"crop {s.data.crop} is larger than the store's {height}x{width} frames")
-        if len(self.train_set) < s.batch_per_rank * self.dp_size:
-            raise TrainError(f"split {s.data.train_split!r} has {len(self.train_set)} clips, fewer than one global batch of {s.batch_per_rank * self.dp_size}")
+        self.store, self.arch = check_settings(settings, self.dist.world_size)
+        self.train_set = ClipDataset(self.store, settings.data.train_split)
+        self.eval_set = ClipDataset(self.store, settings.data.eval_split)
         self.step = 0
 
     # -- layout --------------------------------------------------------------------
@@ -545,6 +561,25 @@ class Trainer:
             "steps": self.step,
             "world_size": self.dist.world_size,
         }
+
+
+def load_trained(run_or_weights: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model a run finished with, and its record (final/run.json): architecture, classes, input, metrics."""
+    from .builders import create_model, load_weights
+
+    path = Path(run_or_weights)
+    final = path / "final" if (path / "final").is_dir() else path.parent if path.is_file() else path
+    record_path = final / "run.json"
+    if not record_path.exists():
+        raise TrainError(f"{path}: no final/run.json; give a finished run directory or its final/ folder")
+    record = json.loads(record_path.read_text())
+    overrides = dict(record["architecture"])
+    if "tubelet" in overrides:
+        overrides["tubelet"] = tuple(overrides["tubelet"])
+    size = record["crop"] or record["input"]["height"]
+    model = create_model(record["model"], len(record["classes"]), record["input"]["frames"], size, **overrides)
+    load_weights(model, final / "model.safetensors")
+    return model.eval(), record
 
 
 @torch.no_grad()
