@@ -4,6 +4,8 @@
     clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
     clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
     clipforge jobs sbatch-lines              #SBATCH lines for given resources
+    clipforge registry init|push|list|show|diff|pull|promote|review|gc
+                                             model versions as Git LFS branches
     clipforge demo                           the main job on the embedded default
 """
 
@@ -13,6 +15,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +72,31 @@ def _parser() -> argparse.ArgumentParser:
     lines = jsub.add_parser("sbatch-lines", help="#SBATCH lines for resources given as job options (--nodes 2 ...)")
     lines.add_argument("--cluster", default=None, help="profile whose defaults fill the gaps")
     lines.set_defaults(func=_sbatch_lines, passthrough=True)
+
+    reg = sub.add_parser("registry", help="model versions in a Git LFS registry (--remote or $CLIPFORGE_REGISTRY)")
+    reg.add_argument("--remote", default=os.environ.get("CLIPFORGE_REGISTRY"), help="registry remote: a bare repository path or a URL")
+    reg.add_argument("--lfs-url", default=os.environ.get("CLIPFORGE_REGISTRY_LFS_URL"), help="LFS server URL when it is not the git remote's")
+    rsub = reg.add_subparsers(metavar="VERB")
+    for verb, text, arguments in (
+        ("init", "create a registry (a bare repository at --remote, and its main branch)", []),
+        ("push", "push a finished run as the next version of NAME", [("run_dir",), ("--name",)]),
+        ("list", "models, versions and aliases", [("name", "?")]),
+        ("show", "a version's card (NAME@vN or NAME@ALIAS)", [("ref",)]),
+        ("diff", "metric, config and size differences of two versions", [("a",), ("b",)]),
+        ("pull", "fetch one version's files, verified, into --to", [("ref",), ("--to",)]),
+        ("promote", "point an alias tag at a version (compare-and-swap)", [("ref",), ("--alias",), ("--expect",)]),
+        ("review", "the pull-request body for a version", [("ref",), ("--against",), ("--open",)]),
+        ("gc", "delete LFS objects no version refers to (bare remotes)", []),
+    ):
+        p = rsub.add_parser(verb, help=text)
+        for arg in arguments:
+            if arg[0] == "--open":
+                p.add_argument("--open", action="store_true", help="open the pull request with gh or glab")
+            elif arg[0].startswith("--"):
+                p.add_argument(arg[0], required=arg[0] in ("--name", "--to", "--alias"), default="production" if arg[0] == "--against" else None)
+            else:
+                p.add_argument(arg[0], nargs=arg[1] if len(arg) > 1 else None)
+        p.set_defaults(func=_registry, verb=verb)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
     demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
@@ -142,6 +170,60 @@ def _find(job_id: str) -> records.JobRecord:
 def _sbatch_lines(args: argparse.Namespace, rest: list[str]) -> int:
     resources = config.parse(Resources, rest)
     print("\n".join(load_profile(args.cluster).apply(resources).sbatch_lines()))
+    return 0
+
+
+def _registry(args: argparse.Namespace, rest: list[str]) -> int:
+    from clipforge.registry.repo import Ref, Registry, RegistryError
+
+    if not args.remote:
+        raise config.ConfigError("no registry: pass --remote PATH_OR_URL or set CLIPFORGE_REGISTRY")
+    try:
+        if args.verb == "init":
+            Registry.init(args.remote, args.lfs_url)
+            print(f"registry created at {args.remote}")
+            return 0
+        reg = Registry(args.remote, args.lfs_url)
+        if args.verb == "push":
+            ref = reg.push(Path(args.run_dir), args.name)
+            print(f"pushed {ref} (branch {ref.branch}); review it with: clipforge registry review {ref}")
+        elif args.verb == "list":
+            aliases = reg.aliases(args.name)
+            for name, versions in reg.versions(args.name).items():
+                tags = {v: a for a, v in aliases.get(name, {}).items()}
+                print(f"{name}: " + " ".join(f"v{v}" + (f" ({tags[v]})" if v in tags else "") for v in versions))
+        elif args.verb == "show":
+            print(reg.card(Ref.parse(args.ref)))
+        elif args.verb == "diff":
+            print(json.dumps(reg.diff(Ref.parse(args.a), Ref.parse(args.b)), indent=1, default=str))
+        elif args.verb == "pull":
+            fetched = reg.pull(Ref.parse(args.ref), Path(args.to))
+            print(f"pulled {args.ref} into {args.to} ({len(fetched)} LFS object(s) downloaded, sha256 verified)")
+        elif args.verb == "promote":
+            expect = "current" if args.expect is None else (None if args.expect == "none" else int(args.expect.lstrip("v")))
+            ref = reg.promote(Ref.parse(args.ref), args.alias, expect=expect)
+            print(f"{ref.name}@{args.alias} -> v{ref.version}")
+        elif args.verb == "review":
+            text = reg.review(Ref.parse(args.ref), args.against)
+            print(text)
+            if args.open:
+                return _open_pull_request(Ref.parse(args.ref), text)
+        elif args.verb == "gc":
+            removed = reg.gc()
+            print(f"removed {len(removed)} orphaned LFS object(s)")
+    except RegistryError as exc:
+        raise config.ConfigError(str(exc)) from None
+    return 0
+
+
+def _open_pull_request(ref, body: str) -> int:
+    import shutil
+    import subprocess
+
+    for tool, argv in (("gh", ["gh", "pr", "create", "--title", str(ref), "--body", body]), ("glab", ["glab", "mr", "create", "--title", str(ref), "--description", body])):
+        if shutil.which(tool):
+            return subprocess.run(argv, check=False).returncode
+    print("neither gh nor glab is installed: paste the text above into a new pull request", file=sys.stderr)
     return 0
 
 

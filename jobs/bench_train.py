@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Benchmark of training: memory of each ZeRO stage against the ZeRO paper, and step time against stage 0.
+
+    python jobs/bench_train.py [--ranks 2] [--model videovit-small] [--steps 6]
+
+For each ZeRO stage it starts ``--ranks`` processes under mpiexec, trains a few
+bf16 steps with AdamW, and counts the bytes of the tensors each rank holds:
+parameters, gradients (just after backward, before the step frees them) and
+optimizer state (fp32 master weights, Adam moments). Each figure is printed
+beside the paper's formula for mixed-precision Adam (Rajbhandari et al. 2020):
+stage 0 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+FORMULA = {0: lambda p, n: 16 * p, 1: lambda p, n: 4 * p + 12 * p / n, 2: lambda p, n: 2 * p + 14 * p / n, 3: lambda p, n: 16 * p / n}
+# Dense bf16 peak of the accelerators we know, for MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+@dataclasses.dataclass
+class Config:
+    """Measure model-state bytes and step time of ZeRO 0-3."""
+
+    ranks: int = 2
+    """Processes (data-parallel ranks, N in the formulas)."""
+    model: str = "videovit-small"
+    """Model to train."""
+    frames: int = 8
+    """Clip length."""
+    size: int = 64
+    """Frame size."""
+    batch: int = 2
+    """Clips per rank per step."""
+    steps: int = 6
+    """Timed steps per stage (after one warm-up step)."""
+    stage: int | None = None
+    """Internal: run one stage as a rank of mpiexec and write its figures to --out."""
+    out: Path | None = None
+    """Internal: where a stage's figures go."""
+
+
+def held_bytes(engine, stage: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds, each storage counted once."""
+    seen: set[int] = set()
+    totals = {"parameters": 0, "gradients": 0, "optimizer": 0}
+
+    def add(tensor, kind: str) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            return
+        seen.add(storage.data_ptr())
+        totals[kind] += storage.nbytes()
+
+    for p in engine.module.parameters():
+        add(p.ds_tensor if stage == 3 else p.data, "parameters")
+    for p in engine.module.parameters():
+        add(p.grad, "gradients")
+    wrapper = engine.optimizer
+    inner = getattr(wrapper, "optimizer", wrapper)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            add(p.grad, "gradients")
+    for name, value in vars(wrapper).items():
+        if "grad" in name.lower():
+            for t in _tensors(value):
+                add(t, "gradients")
+    for group in inner.param_groups:
+        for p in group["params"]:
+            add(p, "optimizer")  # fp32 master weights (or their partition)
+    for name, value in vars(wrapper).items():
+        # ZeRO-3 hands its fp32 partitions to the inner optimizer only during step(): find them by name.
+        if "fp32" in name.lower():
+            for t in _tensors(value):
+                add(t, "optimizer")
+    for state in inner.state.values():
+        for t in _tensors(state):
+            add(t, "optimizer")
+    return totals
+
+
+def _tensors(value, depth: int = 0):
+    if depth > 3:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+
+
+def run_stage(cfg: Config) -> None:
+    """One rank of one stage (under mpiexec)."""
+    import deepspeed
+
+    from clipforge.hpc.distenv import setup_distributed
+    from clipforge.models.builders import architecture
+    from clipforge.models.parallel import ParallelConfig, deepspeed_config
+
+    env = setup_distributed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
+    torch.manual_seed(0)
+    model = arch.build(seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    ds = deepspeed_config(
+        ParallelConfig(zero_stage=cfg.stage), env.world_size, cfg.batch, 1, "bf16",
+        {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, None, 1.0, False,
+    )  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (cfg.batch,))
+    counted = None
+    times = []
+    for step in range(cfg.steps + 1):
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(engine(clips).float(), labels)
+        engine.backward(loss)
+        if step == 1:
+            counted = held_bytes(engine, cfg.stage)
+        engine.step()
+        if step:
+            times.append(time.perf_counter() - start)
+    counted["optimizer"] = held_bytes(engine, cfg.stage)["optimizer"]  # Adam's moments exist after the first step
+    gathered = [None] * env.world_size
+    torch.distributed.all_gather_object(gathered, counted)
+    if env.rank == 0:
+        result = {
+            "stage": cfg.stage,
+            "parameters": params,
+            "per_rank": gathered,
+            "step_s": sorted(times)[len(times) // 2],
+            "flops_per_clip": arch.flops() if arch.flops else None,
+        }
+        cfg.out.write_text(json.dumps(result))
+
+
+def main(cfg: Config) -> None:
+    from clipforge.hpc.mpi import mpiexec_command
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in (0, 1, 2, 3):
+            out = Path(tmp) / f"stage{stage}.json"
+            argv = [*mpiexec_command(cfg.ranks), sys.executable, "-m", "clipforge.jobs.bench_train", "--stage", str(stage), "--out", str(out),
+                    "--model", cfg.model, "--frames", str(cfg.frames), "--size", str(cfg.size), "--batch", str(cfg.batch), "--steps", str(cfg.steps)]  # fmt: skip
+            subprocess.run(argv, check=True, capture_output=True, text=True, env=dict(os.environ, OMPI_MCA_osc="^ucx"))
+            results[stage] = json.loads(out.read_text())
+    psi = results[0]["parameters"]
+    n = cfg.ranks
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"\n{cfg.model}: Ψ = {psi / 1e6:.1f} M parameters, N = {n} ranks, bf16 + AdamW, {cfg.batch} clips of {cfg.frames}x{cfg.size}x{cfg.size} per rank, on {device}\n")
+    print(f"{'stage':<6} {'params':>9} {'grads':>9} {'optim':>9} {'total/rank':>11} {'formula':>9} {'ratio':>6}  {'step s':>7} {'vs stage 0':>10} {'clips/s':>8}")
+    for stage, r in results.items():
+        rank0 = r["per_rank"][0]
+        total = sum(rank0.values())
+        formula = FORMULA[stage](psi, n)
+        clips_s = cfg.batch * n / r["step_s"]
+        print(
+            f"{stage:<6} {rank0['parameters'] / 2**20:8.1f}M {rank0['gradients'] / 2**20:8.1f}M {rank0['optimizer'] / 2**20:8.1f}M "
+            f"{total / 2**20:10.1f}M {formula / 2**20:8.1f}M {total / formula:5.2f}x  {r['step_s']:7.3f} {r['step_s'] / results[0]['step_s']:9.2f}x {clips_s:8.1f}"
+        )
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    flops = results[0]["flops_per_clip"]
+    if peak and flops:
+        achieved = 3 * flops * cfg.batch * n / results[0]["step_s"] / 1e12
+        print(f"\nMFU at stage 0: {achieved / (peak * n):.1%} of {peak:.0f} TFLOP/s per device")
+    else:
+        print("\nMFU: no accelerator peak known for this device (CPU); figures above are for memory and relative speed")
+
+
+if __name__ == "__main__":
+    config = tyro.cli(Config)
+    if config.stage is not None:
+        run_stage(config)
+    else:
+        main(config)

@@ -1,0 +1,110 @@
+"""The texts people read: the model card (MODEL.md) and the pull-request review body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+METRICS = [("video_top1", "video top-1"), ("video_top5", "video top-5"), ("clip_top1", "clip top-1"), ("clip_top5", "clip top-5"), ("loss", "loss")]
+
+
+def model_card(r: dict[str, Any]) -> str:
+    """MODEL.md: a summary table, metrics, data, how to load it, lineage."""
+    arch = r["architecture"]
+    fp = r.get("data_fingerprint") or {}
+    lines = [
+        f"# {r['name']} v{r['version']}",
+        "",
+        f"A {arch['model']} video classifier for {len(r['classes'])} classes, trained with clipforge.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| model | `{arch['model']}` {_options(arch)} |",
+        f"| input | {arch['input']['frames']} frames of {arch.get('crop') or arch['input']['height']} px, uint8 RGB |",
+        f"| classes | {', '.join(r['classes'])} |",
+        f"| weights | `model.safetensors`, {r['files']['model.safetensors']['size'] / 2**20:.1f} MiB, sha256 `{r['files']['model.safetensors']['sha256'][:16]}...` |",
+        f"| parent | {r.get('parent') or 'none'} |",
+        f"| code | {r.get('code_commit') or 'unknown'} |",
+        f"| Slurm job | {r.get('slurm_job_id') or 'not run under Slurm'} |",
+        "",
+        "## Metrics",
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+        *[f"| {label} | {r['metrics'][key]:.4f} |" for key, label in METRICS if key in r["metrics"]],
+        "",
+    ]
+    per_class = r.get("per_class_accuracy") or {}
+    if per_class:
+        lines += ["Per-class accuracy (video level): " + ", ".join(f"{c} {v:.2f}" if v is not None else f"{c} n/a" for c, v in per_class.items()), ""]
+    lines += [
+        "## Data",
+        "",
+        f"Clip store format {fp.get('format_version', '?')}, index sha256 `{str(fp.get('index_sha256', '?'))[:16]}...`; "
+        f"clips of {fp.get('params', {}).get('clip_frames', '?')} frames at {fp.get('params', {}).get('height', '?')}x{fp.get('params', {}).get('width', '?')}.",
+        "",
+        "## How to load it",
+        "",
+        "```bash",
+        f"clipforge registry pull {r['name']}@v{r['version']} --to ./{r['name']}",
+        "```",
+        "",
+        "```python",
+        "from clipforge.models.builders import create_model, load_weights",
+        f"model = create_model({arch['model']!r}, {len(r['classes'])}, {arch['input']['frames']}, {arch.get('crop') or arch['input']['height']}{_kwargs(arch)})",
+        f"load_weights(model, './{r['name']}/model.safetensors')",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def review_text(new: dict[str, Any], base: dict[str, Any] | None, against: str | None) -> str:
+    """The pull-request body: what changed against the alias, metric deltas with arrows, then the card."""
+    title = f"{new['name']} v{new['version']}"
+    lines = [f"## Review: {title}", ""]
+    if base is None:
+        lines += [f"First version of `{new['name']}`: nothing to compare with.", ""]
+    else:
+        label = f"{against} (v{base['version']})" if against and base["version"] != _parent_version(new) else f"v{base['version']}"
+        lines += [f"Compared with {label}.", "", "| metric | before | after | change |", "| --- | ---: | ---: | :---: |"]
+        for key, name in METRICS:
+            if key in new["metrics"] and key in base["metrics"]:
+                before, after = base["metrics"][key], new["metrics"][key]
+                better = after < before if key == "loss" else after > before
+                arrow = "=" if abs(after - before) < 1e-9 else ("▲ better" if better else "▼ worse")
+                lines.append(f"| {name} | {before:.4f} | {after:.4f} | {after - before:+.4f} {arrow} |")
+        lines.append("")
+        changes = list(config_changes(base.get("training_config", {}), new.get("training_config", {})))
+        if changes:
+            lines += ["Training config changes:", ""] + [f"- `{k}`: {a!r} → {b!r}" for k, a, b in changes[:30]] + [""]
+        if base.get("data_fingerprint", {}).get("index_sha256") != new.get("data_fingerprint", {}).get("index_sha256"):
+            lines += ["**The training data changed** (clip store index differs).", ""]
+        size_a, size_b = base["files"]["model.safetensors"]["size"], new["files"]["model.safetensors"]["size"]
+        if size_a != size_b:
+            lines += [f"Weights: {size_a / 2**20:.1f} MiB → {size_b / 2**20:.1f} MiB.", ""]
+    lines += ["---", "", model_card(new)]
+    return "\n".join(lines)
+
+
+def _parent_version(r: dict[str, Any]) -> int | None:
+    parent = r.get("parent")
+    return int(parent.rsplit("@v", 1)[1]) if parent else None
+
+
+def config_changes(a: Any, b: Any, prefix: str = ""):
+    """(dotted key, before, after) for every setting that differs between two nested configs."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            yield from config_changes(a.get(key), b.get(key), f"{prefix}{key}.")
+    elif a != b:
+        yield prefix.rstrip("."), a, b
+
+
+def _options(arch: dict[str, Any]) -> str:
+    extra = {k: v for k, v in arch.items() if k not in ("model", "input", "crop")}
+    return "(" + ", ".join(f"{k}={v}" for k, v in extra.items()) + ")" if extra else ""
+
+
+def _kwargs(arch: dict[str, Any]) -> str:
+    extra = {k: (tuple(v) if isinstance(v, list) else v) for k, v in arch.items() if k not in ("model", "input", "crop")}
+    return "".join(f", {k}={v!r}" for k, v in extra.items())

@@ -1,0 +1,376 @@
+"""A model registry: a Git repository whose weights live in Git LFS, one branch per version.
+
+``main`` holds a README and ``.gitattributes``; version N of model ``name`` is
+branch ``models/<name>/v<N>`` with ``<name>/model.safetensors`` (LFS),
+``<name>/model.yaml`` (the machine record) and ``<name>/MODEL.md`` (the card
+a reviewer reads). Aliases (``production``, ``staging``) are annotated tags
+``<name>/<alias>``, moved with compare-and-swap: merging sibling version
+branches into one branch would conflict on the weights.
+
+Every operation works in its own clone made with LFS smudging off (instant),
+and fetches only the LFS objects it needs. clipforge never writes the user's
+global or system git config: the LFS filter is passed on the command line and
+installed ``--local`` in each clone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import git
+import yaml
+
+from .card import config_changes, model_card, review_text
+
+WEIGHT_PATTERNS = ["*.safetensors", "*.pt", "*.bin", "*.onnx"]
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+LFS_FILTER = [
+    "-c", "filter.lfs.process=git-lfs filter-process",
+    "-c", "filter.lfs.required=true",
+    "-c", "filter.lfs.clean=git-lfs clean -- %f",
+    "-c", "filter.lfs.smudge=git-lfs smudge -- %f",
+]  # fmt: skip
+AUTHOR = {"GIT_AUTHOR_NAME": "clipforge", "GIT_AUTHOR_EMAIL": "clipforge@localhost", "GIT_COMMITTER_NAME": "clipforge", "GIT_COMMITTER_EMAIL": "clipforge@localhost"}
+
+
+class RegistryError(RuntimeError):
+    """Something the user can fix: an unknown model or version, an unreachable remote, a missing tool."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    name: str
+    version: int | None = None
+    alias: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Ref:
+        """``name@v3``, ``name@production`` or ``name``."""
+        name, _, rest = text.partition("@")
+        if not NAME.match(name):
+            raise RegistryError(f"{name!r} is not a model name: use lowercase letters, digits, '.', '_' and '-'")
+        if not rest:
+            return cls(name)
+        if re.fullmatch(r"v\d+", rest):
+            return cls(name, version=int(rest[1:]))
+        if NAME.match(rest):
+            return cls(name, alias=rest)
+        raise RegistryError(f"{text!r}: after '@' give a version (v3) or an alias (production)")
+
+    @property
+    def branch(self) -> str:
+        return f"models/{self.name}/v{self.version}"
+
+    def __str__(self) -> str:
+        return f"{self.name}@v{self.version}" if self.version is not None else f"{self.name}@{self.alias}" if self.alias else self.name
+
+
+class Registry:
+    """A registry reached through its remote URL (a bare repository path, ``file://``, ``git://`` or HTTP)."""
+
+    def __init__(self, remote: str, lfs_url: str | None = None) -> None:
+        if shutil.which("git-lfs") is None:
+            raise RegistryError("git-lfs is not installed: install it (Debian: apt-get install git-lfs) and retry")
+        self.remote = str(remote)
+        self.lfs_url = lfs_url
+
+    # -- creating -----------------------------------------------------------------
+    @classmethod
+    def init(cls, remote: str, lfs_url: str | None = None, bare: bool = True) -> Registry:
+        """Create a registry: a bare repository at ``remote`` (a path) when asked, and its ``main`` branch."""
+        if bare and "://" not in remote:
+            Path(remote).mkdir(parents=True, exist_ok=True)
+            git.Repo.init(remote, bare=True, initial_branch="main")
+        registry = cls(remote, lfs_url)
+        with tempfile.TemporaryDirectory(prefix="clipforge-registry-") as tmp:
+            repo = git.Repo.init(tmp, initial_branch="main")
+            registry._configure(repo)
+            (Path(tmp) / ".gitattributes").write_text("".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in WEIGHT_PATTERNS))
+            (Path(tmp) / "README.md").write_text(
+                "# Model registry\n\nEach model version is a branch `models/<name>/v<N>`; aliases are tags `<name>/<alias>`.\n"
+                "Weights are stored with Git LFS. Managed with `clipforge registry`.\n"
+            )
+            repo.git.add(".gitattributes", "README.md")
+            repo.git.commit("-m", "Start the model registry", env=AUTHOR)
+            repo.create_remote("origin", registry.remote)
+            registry._git(repo, "push", "origin", "main")
+        return registry
+
+    # -- reading -------------------------------------------------------------------
+    def versions(self, name: str | None = None) -> dict[str, list[int]]:
+        """Versions of every model (or of ``name``), from one ``git ls-remote``: no clone, no download."""
+        heads = self._ls_remote("--heads", "refs/heads/models/*")
+        found: dict[str, list[int]] = {}
+        for ref in heads:
+            match = re.fullmatch(r"refs/heads/models/([^/]+)/v(\d+)", ref)
+            if match and (name is None or match.group(1) == name):
+                found.setdefault(match.group(1), []).append(int(match.group(2)))
+        return {k: sorted(v) for k, v in sorted(found.items())}
+
+    def aliases(self, name: str | None = None) -> dict[str, dict[str, int]]:
+        """``{name: {alias: version}}`` from the alias tags (peeled to the version branch's commit)."""
+        tags = self._ls_remote("--tags", "refs/tags/*")
+        heads = {sha: ref for ref, sha in self._ls_remote("--heads", "refs/heads/models/*").items()}
+        out: dict[str, dict[str, int]] = {}
+        for ref, sha in tags.items():
+            if not ref.endswith("^{}"):
+                continue
+            model, _, alias = ref[len("refs/tags/") : -3].partition("/")
+            branch = heads.get(sha)
+            if branch and (name is None or model == name):
+                out.setdefault(model, {})[alias] = int(branch.rsplit("/v", 1)[1])
+        return out
+
+    def resolve(self, ref: Ref) -> Ref:
+        """The concrete version a reference names (the newest when it names none)."""
+        versions = self.versions(ref.name).get(ref.name)
+        if not versions:
+            known = ", ".join(self.versions()) or "none yet"
+            raise RegistryError(f"no model named {ref.name!r} in {self.remote} (models: {known})")
+        if ref.alias:
+            version = self.aliases(ref.name).get(ref.name, {}).get(ref.alias)
+            if version is None:
+                raise RegistryError(f"{ref} is not set; `clipforge registry promote {ref.name}@vN --alias {ref.alias}` sets it")
+            return Ref(ref.name, version=version)
+        if ref.version is None:
+            return Ref(ref.name, version=versions[-1])
+        if ref.version not in versions:
+            raise RegistryError(f"{ref} does not exist; {ref.name} has versions {', '.join(f'v{v}' for v in versions)}")
+        return ref
+
+    def record(self, ref: Ref) -> dict[str, Any]:
+        """A version's model.yaml."""
+        ref = self.resolve(ref)
+        with self._clone(ref.branch) as repo:
+            return yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
+
+    def card(self, ref: Ref) -> str:
+        ref = self.resolve(ref)
+        with self._clone(ref.branch) as repo:
+            return repo.git.show(f"origin/{ref.branch}:{ref.name}/MODEL.md")
+
+    # -- writing -------------------------------------------------------------------
+    def push(self, run_dir: Path, name: str, attempts: int = 50) -> Ref:
+        """A new version of ``name`` from a finished run; the next free number, retried if another push takes it."""
+        Ref.parse(name)
+        run_dir = Path(run_dir)
+        weights = run_dir / "final" / "model.safetensors"
+        if not weights.exists() or not (run_dir / "final" / "run.json").exists():
+            raise RegistryError(f"{run_dir} is not a finished run: final/model.safetensors and final/run.json are missing")
+        run = json.loads((run_dir / "final" / "run.json").read_text())
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+        digest = sha256(weights)
+        with self._clone("main") as repo:
+            for _ in range(attempts):
+                taken = self.versions(name).get(name, [])
+                version = (taken[-1] if taken else 0) + 1
+                ref = Ref(name, version=version)
+                record = {
+                    "name": name,
+                    "version": version,
+                    "parent": f"{name}@v{taken[-1]}" if taken else None,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "architecture": {"model": run["model"], **run.get("architecture", {}), "input": run["input"], "crop": run.get("crop")},
+                    "classes": run["classes"],
+                    "metrics": run["metrics"],
+                    "per_class_accuracy": run.get("per_class_accuracy"),
+                    "data_fingerprint": run.get("data_fingerprint"),
+                    "training_config": config,
+                    "code_commit": run.get("code_commit"),
+                    "slurm_job_id": run.get("slurm_job_id"),
+                    "files": {"model.safetensors": {"sha256": digest, "size": weights.stat().st_size}},
+                }
+                repo.git.checkout("-B", ref.branch, "origin/main")
+                folder = Path(repo.working_tree_dir) / name
+                folder.mkdir(exist_ok=True)
+                shutil.copyfile(weights, folder / "model.safetensors")
+                (folder / "model.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+                (folder / "MODEL.md").write_text(model_card(record))
+                repo.git.add(name)
+                repo.git.commit("-m", f"{name} v{version}", env=AUTHOR)
+                self._check_lfs(repo, f"{name}/model.safetensors")
+                try:
+                    self._git(repo, "push", "origin", f"{ref.branch}:{ref.branch}")
+                    return ref
+                except RegistryError as exc:
+                    if "rejected" not in str(exc) and "already exists" not in str(exc):
+                        raise
+                    # Another push took this number; its loser's LFS upload is an orphan for `gc`.
+            raise RegistryError(f"gave up pushing {name} after {attempts} attempts: too many concurrent pushes")
+
+    def promote(self, ref: Ref, alias: str, expect: int | None | str = "current") -> Ref:
+        """Point alias tag ``<name>/<alias>`` at a version, with compare-and-swap.
+
+        ``expect`` is the version the caller believes the alias points to (None: unset);
+        by default, whatever it points to when we look. If another promotion moved it
+        in between, the push's lease fails and nothing changes.
+        """
+        Ref.parse(f"{ref.name}@{alias}")
+        ref = self.resolve(ref)
+        tag = f"refs/tags/{ref.name}/{alias}"
+        tags = self._ls_remote("--tags", f"{tag}*")
+        old = tags.get(tag, "")
+        if expect != "current":
+            current = self.aliases(ref.name).get(ref.name, {}).get(alias)
+            if current != expect:
+                raise RegistryError(
+                    f"{ref.name}@{alias} points to {f'v{current}' if current else 'nothing'}, not "
+                    f"{f'v{expect}' if expect else 'nothing'} as expected: someone promoted meanwhile; look and retry"
+                )
+        with self._clone(ref.branch) as repo:
+            repo.git.tag("-f", "-a", f"{ref.name}/{alias}", f"origin/{ref.branch}", "-m", f"{ref.name} {alias}: v{ref.version}", env=AUTHOR)
+            try:
+                self._git(repo, "push", f"--force-with-lease={tag}:{old}", "origin", f"{tag}:{tag}")
+            except RegistryError as exc:
+                raise RegistryError(f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge registry list {ref.name}` and retry") from exc
+        return ref
+
+    def pull(self, ref: Ref, to: Path) -> list[str]:
+        """Fetch one version's files (only its LFS objects), verify the weights' sha256, copy them to ``to``.
+
+        Returns the LFS object ids that were downloaded.
+        """
+        ref = self.resolve(ref)
+        with self._clone(ref.branch) as repo:
+            record = yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
+            repo.git.checkout(ref.branch, env=self._env(skip_smudge=True))
+            # `git lfs fetch origin models/x/v1` answers "Invalid ref argument": name the remote-tracking ref.
+            self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
+            self._git(repo, "lfs", "checkout", f"{ref.name}/model.safetensors")
+            source = Path(repo.working_tree_dir) / ref.name
+            expected = record["files"]["model.safetensors"]["sha256"]
+            actual = sha256(source / "model.safetensors")
+            if actual != expected:
+                raise RegistryError(f"{ref}: model.safetensors has sha256 {actual[:12]}..., the record says {expected[:12]}...: the stored weights were changed; refusing them")
+            fetched = sorted(p.name for p in (Path(repo.git_dir) / "lfs" / "objects").glob("*/*/*"))
+            to = Path(to)
+            to.mkdir(parents=True, exist_ok=True)
+            for file in ("model.safetensors", "model.yaml", "MODEL.md"):
+                shutil.copyfile(source / file, to / file)
+        return fetched
+
+    def review(self, ref: Ref, against: str | None = "production") -> str:
+        """The pull-request body for a version, compared with an alias (or its parent when the alias is unset)."""
+        ref = self.resolve(ref)
+        new = self.record(ref)
+        base = None
+        if against:
+            try:
+                base = self.record(self.resolve(Ref(ref.name, alias=against)))
+            except RegistryError:
+                base = None
+        if base is None and new.get("parent"):
+            base = self.record(Ref.parse(new["parent"]))
+        return review_text(new, base, against)
+
+    def diff(self, a: Ref, b: Ref) -> dict[str, Any]:
+        """Metric, config and size differences between two versions."""
+        ra, rb = self.record(a), self.record(b)
+        metrics = {k: (ra["metrics"].get(k), rb["metrics"].get(k)) for k in rb["metrics"]}
+        config = {k: (v1, v2) for k, v1, v2 in config_changes(ra.get("training_config", {}), rb.get("training_config", {}))}
+        sizes = (ra["files"]["model.safetensors"]["size"], rb["files"]["model.safetensors"]["size"])
+        return {"metrics": metrics, "config": config, "size": sizes}
+
+    def gc(self) -> list[str]:
+        """Delete LFS objects no branch or tag refers to (left by lost push races); bare path remotes only."""
+        store = self._bare_path() / "lfs" / "objects"
+        if not store.is_dir():
+            return []
+        with self._clone("main", all_refs=True) as repo:
+            listing = self._git(repo, "lfs", "ls-files", "--all", "--long")
+        referenced = {line.split()[0] for line in listing.splitlines() if line.strip()}
+        removed = []
+        for path in store.glob("*/*/*"):
+            if path.is_file() and path.name not in referenced:
+                path.unlink()
+                removed.append(path.name)
+        return removed
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _bare_path(self) -> Path:
+        remote = self.remote.removeprefix("file://")
+        if "://" in remote:
+            raise RegistryError(f"gc works on a bare repository path, not {self.remote}; clean an LFS server with its own tools")
+        return Path(remote)
+
+    def _env(self, skip_smudge: bool = False) -> dict[str, str]:
+        env = {"GIT_TERMINAL_PROMPT": "0", **AUTHOR}
+        if skip_smudge:
+            env["GIT_LFS_SKIP_SMUDGE"] = "1"
+        return env
+
+    def _configure(self, repo: git.Repo) -> None:
+        repo.git.lfs("install", "--local", "--skip-smudge")
+        if self.lfs_url:
+            repo.git.config("--local", "lfs.url", self.lfs_url)
+        # A bare repository path needs no LFS server: git-lfs uses its standalone file transfer.
+
+    @contextlib.contextmanager
+    def _clone(self, branch: str, all_refs: bool = False) -> Iterator[git.Repo]:
+        """A throw-away clone with LFS smudging off: instant, and no weights downloaded."""
+        tmp = tempfile.mkdtemp(prefix="clipforge-registry-")
+        try:
+            try:
+                repo = git.Repo.clone_from(
+                    self.remote, tmp, multi_options=[*LFS_FILTER, "--no-checkout"], env=self._env(skip_smudge=True),
+                )  # fmt: skip
+            except git.GitCommandError as exc:
+                raise RegistryError(f"cannot reach the registry at {self.remote}: {_last_line(exc)}") from None
+            self._configure(repo)
+            if branch != "main":
+                repo.git.fetch("origin", f"+refs/heads/{branch}:refs/remotes/origin/{branch}", env=self._env(skip_smudge=True))
+            if all_refs:
+                repo.git.fetch("origin", "+refs/heads/*:refs/remotes/origin/*", "+refs/tags/*:refs/tags/*", env=self._env(skip_smudge=True))
+            repo.git.checkout("-B", "main", "origin/main", env=self._env(skip_smudge=True))
+            yield repo
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _git(self, repo: git.Repo, *args: str) -> str:
+        try:
+            return repo.git.execute(["git", *LFS_FILTER, *args], env={**os.environ, **self._env()})
+        except git.GitCommandError as exc:
+            raise RegistryError(f"git {args[0]} {' '.join(a for a in args[1:3])}: {_last_line(exc)}") from None
+
+    def _ls_remote(self, *args: str) -> dict[str, str]:
+        result = subprocess.run(["git", "ls-remote", *args[:-1], self.remote, args[-1]], capture_output=True, text=True, env={**os.environ, **self._env()})
+        if result.returncode != 0:
+            raise RegistryError(f"cannot reach the registry at {self.remote}: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'git ls-remote failed'}")
+        refs = {}
+        for line in result.stdout.splitlines():
+            sha, _, ref = line.partition("\t")
+            refs[ref] = sha
+        return refs
+
+    def _check_lfs(self, repo: git.Repo, path: str) -> None:
+        """Without the LFS filter a commit silently stores the raw weights: make sure it is a pointer."""
+        size = int(repo.git.execute(["git", "cat-file", "-s", f"HEAD:{path}"]))
+        head = repo.git.execute(["git", "cat-file", "-p", f"HEAD:{path}"], stdout_as_string=False)[:40] if size < 1024 else b""
+        if size >= 1024 or not head.startswith(b"version https://git-lfs"):
+            raise RegistryError(f"{path} was committed as a {size}-byte blob, not an LFS pointer: the git-lfs filter did not run")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _last_line(exc: git.GitCommandError) -> str:
+    text = (exc.stderr or str(exc)).strip().strip("'").strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("stderr:")]
+    return lines[-1] if lines else "git failed"
