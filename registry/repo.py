@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -36,17 +37,23 @@ from .card import config_changes, model_card, review_text
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.pt", "*.bin", "*.onnx"]
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-LFS_FILTER = [
-    "-c", "filter.lfs.process=git-lfs filter-process",
-    "-c", "filter.lfs.required=true",
-    "-c", "filter.lfs.clean=git-lfs clean -- %f",
-    "-c", "filter.lfs.smudge=git-lfs smudge -- %f",
-]  # fmt: skip
+LFS_CONFIG = {
+    "filter.lfs.process": "git-lfs filter-process",
+    "filter.lfs.required": "true",
+    "filter.lfs.clean": "git-lfs clean -- %f",
+    "filter.lfs.smudge": "git-lfs smudge -- %f",
+}
+LFS_FILTER = [arg for key, value in LFS_CONFIG.items() for arg in ("-c", f"{key}={value}")]
 AUTHOR = {"GIT_AUTHOR_NAME": "clipforge", "GIT_AUTHOR_EMAIL": "clipforge@localhost", "GIT_COMMITTER_NAME": "clipforge", "GIT_COMMITTER_EMAIL": "clipforge@localhost"}
 
 
 class RegistryError(RuntimeError):
     """Something the user can fix: an unknown model or version, an unreachable remote, a missing tool."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+        """Everything git said, for deciding what happened (the message keeps one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +212,8 @@ class Registry:
                     self._git(repo, "push", "origin", f"{ref.branch}:{ref.branch}")
                     return ref
                 except RegistryError as exc:
-                    if "rejected" not in str(exc) and "already exists" not in str(exc):
+                    lost = ("rejected", "already exists", "cannot lock ref", "failed to update ref")
+                    if not any(sign in exc.detail for sign in lost):
                         raise
                     # Another push took this number; its loser's LFS upload is an orphan for `gc`.
             raise RegistryError(f"gave up pushing {name} after {attempts} attempts: too many concurrent pushes")
@@ -247,7 +255,12 @@ class Registry:
             record = yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
             repo.git.checkout(ref.branch, env=self._env(skip_smudge=True))
             # `git lfs fetch origin models/x/v1` answers "Invalid ref argument": name the remote-tracking ref.
-            self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
+            try:
+                self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
+            except RegistryError as exc:
+                if "invalid hash" in exc.detail:
+                    raise RegistryError(f"{ref}: the stored weights do not match their sha256 (changed in the remote's LFS store); refusing them", detail=exc.detail) from None
+                raise
             self._git(repo, "lfs", "checkout", f"{ref.name}/model.safetensors")
             source = Path(repo.working_tree_dir) / ref.name
             expected = record["files"]["model.safetensors"]["sha256"]
@@ -323,8 +336,11 @@ class Registry:
         tmp = tempfile.mkdtemp(prefix="clipforge-registry-")
         try:
             try:
+                # The -c options are ours (the LFS filter), never user input; GitPython blocks -c unless told.
                 repo = git.Repo.clone_from(
-                    self.remote, tmp, multi_options=[*LFS_FILTER, "--no-checkout"], env=self._env(skip_smudge=True),
+                    self.remote, tmp, multi_options=[*(f"--config {shlex.quote(f'{k}={v}')}" for k, v in LFS_CONFIG.items()), "--no-checkout"],
+                    env=self._env(skip_smudge=True),
+                    allow_unsafe_options=True,
                 )  # fmt: skip
             except git.GitCommandError as exc:
                 raise RegistryError(f"cannot reach the registry at {self.remote}: {_last_line(exc)}") from None
@@ -342,7 +358,7 @@ class Registry:
         try:
             return repo.git.execute(["git", *LFS_FILTER, *args], env={**os.environ, **self._env()})
         except git.GitCommandError as exc:
-            raise RegistryError(f"git {args[0]} {' '.join(a for a in args[1:3])}: {_last_line(exc)}") from None
+            raise RegistryError(f"git {args[0]} {' '.join(a for a in args[1:3])}: {_last_line(exc)}", detail=str(exc.stderr)) from None
 
     def _ls_remote(self, *args: str) -> dict[str, str]:
         result = subprocess.run(["git", "ls-remote", *args[:-1], self.remote, args[-1]], capture_output=True, text=True, env={**os.environ, **self._env()})
