@@ -16,17 +16,19 @@ from pathlib import Path
 from clipforge.hpc.launch import run_script
 from clipforge.jobs import evaluate
 from clipforge.preprocess import synthetic
+from clipforge.registry.repo import Ref, Registry, sha256
 from clipforge.preprocess.store import ClipStore
 
 log = logging.getLogger("clipforge.demo")
 CONFIG = Path(__file__).parent / "configs" / "demo_tiny.yaml"
+MODEL_NAME = "demo-videovit-tiny"
 
 
 def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     started = time.time()
     workdir = Path(workdir).resolve()
     where = ["--cluster", cluster] if cluster else ["--executor", "local"]
-    stages = 4
+    stages = 5
 
     log.info("stage 1/%d: cluster self-test, 2 ranks, gloo all_reduce", stages)
     results = run_script("clipforge.jobs.selftest", [*where, "--ntasks-per-node", "2", "--wait", "True"])
@@ -56,6 +58,18 @@ def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     log.info("stage 4/%d: evaluate on the held-out test videos", stages)
     test = evaluate.main(evaluate.Config(run=run, split="test"))
 
+    log.info("stage 5/%d: push the model into a registry (a bare Git LFS repository) and write its review", stages)
+    remote = workdir / "registry.git"
+    registry = Registry(str(remote)) if remote.exists() else Registry.init(str(remote))
+    weights_sha = sha256(run / "final" / "model.safetensors")
+    versions = registry.versions(MODEL_NAME).get(MODEL_NAME, [])
+    ref = next((Ref(MODEL_NAME, v) for v in versions if registry.record(Ref(MODEL_NAME, v))["files"]["model.safetensors"]["sha256"] == weights_sha), None)
+    if ref is None:
+        ref = registry.push(run, MODEL_NAME)
+    review = registry.review(ref, against="production")
+    (workdir / "review.md").write_text(review)
+    print(review)
+
     print()
     print(f"demo: OK in {time.time() - started:.0f} s")
     print(f"  self-test   2 ranks joined one process group (ranks from {results[0]['source']})")
@@ -65,6 +79,8 @@ def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     print(f"  errors      {store / 'errors.jsonl'}: " + "; ".join(json.loads(e)["path"] for e in errors))
     print(f"  run         {run}  (config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/)")
     print(f"  weights     {run / 'final' / 'model.safetensors'}")
+    print(f"  registry    {remote}  ({ref}, branch {ref.branch}; `clipforge registry --remote {remote} list`)")
+    print(f"  review      {workdir / 'review.md'}  (the pull-request body, printed above)")
     print(f"  test        video top-1 {test['video_top1']:.3f} on {test['videos']} videos (chance {1 / len(opened.classes):.3f}); "
           f"clip top-1 {test['clip_top1']:.3f}  ({run / 'eval-test.json'})")  # fmt: skip
     return 0

@@ -555,6 +555,7 @@ class Trainer:
             "store": str(self.settings.data.store),
             "data_fingerprint": store_fingerprint(self.settings.data.store),
             "metrics": {k: metrics[k] for k in ("clip_top1", "clip_top5", "video_top1", "video_top5", "loss")},
+            "metrics_split": metrics["split"],
             "per_class_accuracy": metrics["per_class_accuracy"],
             "code_commit": _code_commit(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),

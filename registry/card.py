@@ -26,7 +26,7 @@ def model_card(r: dict[str, Any]) -> str:
         f"| code | {r.get('code_commit') or 'unknown'} |",
         f"| Slurm job | {r.get('slurm_job_id') or 'not run under Slurm'} |",
         "",
-        "## Metrics",
+        f"## Metrics ({r.get('metrics_split') or 'evaluation'} split)",
         "",
         "| metric | value |",
         "| --- | ---: |",

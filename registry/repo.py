@@ -192,6 +192,7 @@ class Registry:
                     "architecture": {"model": run["model"], **run.get("architecture", {}), "input": run["input"], "crop": run.get("crop")},
                     "classes": run["classes"],
                     "metrics": run["metrics"],
+                    "metrics_split": run.get("metrics_split"),
                     "per_class_accuracy": run.get("per_class_accuracy"),
                     "data_fingerprint": run.get("data_fingerprint"),
                     "training_config": config,
