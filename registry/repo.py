@@ -259,7 +259,7 @@ class Registry:
             try:
                 self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
             except RegistryError as exc:
-                if "invalid hash" in exc.detail:
+                if "invalid hash" in exc.detail or "expected OID" in exc.detail:
                     raise RegistryError(f"{ref}: the stored weights do not match their sha256 (changed in the remote's LFS store); refusing them", detail=exc.detail) from None
                 raise
             self._git(repo, "lfs", "checkout", f"{ref.name}/model.safetensors")

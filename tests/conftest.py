@@ -110,3 +110,43 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
     # Open MPI's UCX one-sided component prints a harmless error on machines without UCX devices.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+
+
+@pytest.fixture(scope="session")
+def lfs_server(tmp_path_factory: pytest.TempPathFactory):
+    """A Git LFS server over HTTP (giftless) and a git daemon on loopback, as a hosted remote behaves."""
+    import socket
+    import time
+    import types
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    root = tmp_path_factory.mktemp("lfs-server")
+    base, store = root / "repos", root / "lfs-storage"
+    base.mkdir()
+    http_port, git_port = free_port(), free_port()
+    serve = (
+        "import sys; from giftless.app import init_app\n"
+        "app = init_app(additional_config={'AUTH_PROVIDERS': ['giftless.auth.allow_anon:read_write'],"
+        " 'TRANSFER_ADAPTERS': {'basic': {'options': {'storage_options': {'path': sys.argv[2]}}}}})\n"
+        "app.run(host='127.0.0.1', port=int(sys.argv[1]), threaded=True)\n"
+    )
+    giftless = subprocess.Popen([sys.executable, "-c", serve, str(http_port), str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = subprocess.Popen(
+        ["git", "daemon", f"--base-path={base}", "--export-all", "--enable=receive-pack", "--reuseaddr", "--listen=127.0.0.1", f"--port={git_port}", str(base)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    for port in (http_port, git_port):
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline and giftless.poll() is None, "the LFS server (giftless) did not start"
+            time.sleep(0.1)
+    yield types.SimpleNamespace(base=base, git_url=f"git://127.0.0.1:{git_port}", lfs_url=f"http://127.0.0.1:{http_port}", store=store)
+    giftless.terminate()
+    daemon.terminate()
