@@ -178,7 +178,6 @@ class Registry:
             raise RegistryError(f"{run_dir} is not a finished run: final/model.safetensors and final/run.json are missing")
         run = json.loads((run_dir / "final" / "run.json").read_text())
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-        digest = sha256(weights)
         with self._clone("main") as repo:
             for _ in range(attempts):
                 taken = self.versions(name).get(name, [])
@@ -198,12 +197,16 @@ class Registry:
                     "training_config": config,
                     "code_commit": run.get("code_commit"),
                     "slurm_job_id": run.get("slurm_job_id"),
-                    "files": {"model.safetensors": {"sha256": digest, "size": weights.stat().st_size}},
                 }
                 repo.git.checkout("-B", ref.branch, "origin/main")
                 folder = Path(repo.working_tree_dir) / name
                 folder.mkdir(exist_ok=True)
-                shutil.copyfile(weights, folder / "model.safetensors")
+                if not (folder / "model.safetensors").exists():
+                    _link_or_copy(weights, folder / "model.safetensors")
+                    repo.git.add(f"{name}/model.safetensors")  # git-lfs hashes and stores it once, here
+                # The LFS object id is the sha256 of the weights: no second pass over the file.
+                digest = _pointer_oid(repo.git.show(f":{name}/model.safetensors"))
+                record["files"] = {"model.safetensors": {"sha256": digest, "size": weights.stat().st_size}}
                 (folder / "model.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
                 (folder / "MODEL.md").write_text(model_card(record))
                 repo.git.add(name)
@@ -254,25 +257,26 @@ class Registry:
         ref = self.resolve(ref)
         with self._clone(ref.branch) as repo:
             record = yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
-            repo.git.checkout(ref.branch, env=self._env(skip_smudge=True))
             # `git lfs fetch origin models/x/v1` answers "Invalid ref argument": name the remote-tracking ref.
             try:
                 self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
             except RegistryError as exc:
+                # git-lfs checks every object it downloads against its sha256 and refuses a changed one.
                 if "invalid hash" in exc.detail or "expected OID" in exc.detail:
                     raise RegistryError(f"{ref}: the stored weights do not match their sha256 (changed in the remote's LFS store); refusing them", detail=exc.detail) from None
                 raise
-            self._git(repo, "lfs", "checkout", f"{ref.name}/model.safetensors")
-            source = Path(repo.working_tree_dir) / ref.name
+            oid = _pointer_oid(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.safetensors"))
             expected = record["files"]["model.safetensors"]["sha256"]
-            actual = sha256(source / "model.safetensors")
-            if actual != expected:
-                raise RegistryError(f"{ref}: model.safetensors has sha256 {actual[:12]}..., the record says {expected[:12]}...: the stored weights were changed; refusing them")
-            fetched = sorted(p.name for p in (Path(repo.git_dir) / "lfs" / "objects").glob("*/*/*"))
+            if oid != expected:
+                raise RegistryError(f"{ref}: the weights' sha256 {oid[:12]}... is not the one its record names ({expected[:12]}...); refusing them")
+            objects = Path(repo.git_dir) / "lfs" / "objects"
+            fetched = sorted(p.name for p in objects.glob("*/*/*"))
             to = Path(to)
             to.mkdir(parents=True, exist_ok=True)
-            for file in ("model.safetensors", "model.yaml", "MODEL.md"):
-                shutil.copyfile(source / file, to / file)
+            # The verified object itself becomes the file: one move, no checkout copy.
+            shutil.move(objects / oid[:2] / oid[2:4] / oid, to / "model.safetensors")
+            for file in ("model.yaml", "MODEL.md"):
+                (to / file).write_text(repo.git.show(f"origin/{ref.branch}:{ref.name}/{file}") + "\n")
         return fetched
 
     def review(self, ref: Ref, against: str | None = "production") -> str:
@@ -377,6 +381,20 @@ class Registry:
         head = repo.git.execute(["git", "cat-file", "-p", f"HEAD:{path}"], stdout_as_string=False)[:40] if size < 1024 else b""
         if size >= 1024 or not head.startswith(b"version https://git-lfs"):
             raise RegistryError(f"{path} was committed as a {size}-byte blob, not an LFS pointer: the git-lfs filter did not run")
+
+
+def _pointer_oid(pointer: str) -> str:
+    match = re.search(r"^oid sha256:([0-9a-f]{64})$", pointer, re.MULTILINE)
+    if match is None:
+        raise RegistryError("the weights are not stored as an LFS pointer: the git-lfs filter did not run")
+    return match.group(1)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)  # same filesystem: no copy at all
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def sha256(path: Path) -> str:
