@@ -61,7 +61,7 @@ def plot_run(run_dir: Path, classes: list[str]) -> list[Path]:
 
     run_dir = Path(run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("kind") == "train"]
+    train = [r for r in rows if r.get("kind") == "train" and "loss" in r]
     evals = [r for r in rows if r.get("kind") == "eval"]
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)

@@ -504,19 +504,12 @@ class Trainer:
             metrics = self.evaluate()
         result: dict[str, Any] = {"step": self.step}
         if self.dist.is_main:
-            from safetensors.torch import save_file
-
-            final = self.settings.run_dir / "final"
-            final.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(final / "model.safetensors"))
             self._log_eval(metrics, writer)
-            _write_json(self.settings.run_dir / "eval.json", metrics)
-            _write_json(final / "run.json", self._run_record(metrics))
             if writer is not None:
                 writer.close()
-            plot_run(self.settings.run_dir, self.store.classes)
-            result.update(metrics=metrics, weights=str(final / "model.safetensors"))
-            log.info("finished at step %d: %s video top-1 %.3f; weights in %s", self.step, metrics["split"], metrics["video_top1"], final / "model.safetensors")
+            weights = write_final(self.settings.run_dir, state, self._run_record(metrics), metrics)
+            result.update(metrics=metrics, weights=str(weights))
+            log.info("finished at step %d: %s video top-1 %.3f; weights in %s", self.step, metrics["split"], metrics["video_top1"], weights)
         torch.distributed.barrier()
         return result
 
@@ -546,22 +539,43 @@ class Trainer:
         return evaluate_model(model, self.eval_set, self.settings.batch_per_rank, self.settings.data.crop)
 
     def _run_record(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "model": self.settings.model.name,
-            "architecture": self.settings.model.overrides(),
-            "classes": self.store.classes,
-            "input": dict(zip(("frames", "height", "width"), self._clip_shape())),
-            "crop": self.settings.data.crop,
-            "store": str(self.settings.data.store),
-            "data_fingerprint": store_fingerprint(self.settings.data.store),
-            "metrics": {k: metrics[k] for k in ("clip_top1", "clip_top5", "video_top1", "video_top5", "loss")},
-            "metrics_split": metrics["split"],
-            "per_class_accuracy": metrics["per_class_accuracy"],
-            "code_commit": _code_commit(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "steps": self.step,
-            "world_size": self.dist.world_size,
-        }
+        s = self.settings
+        return run_record(s.model.name, s.model.overrides(), self.store, s.data.store, s.data.crop, metrics, self.step, self.dist.world_size)
+
+
+def run_record(model: str, overrides: dict[str, Any], store: ClipStore, store_path: Path, crop: int | None,
+               metrics: dict[str, Any], steps: int, world_size: int) -> dict[str, Any]:  # fmt: skip
+    """final/run.json: what evaluation, prediction and the registry need to know about a finished run."""
+    p = store.params
+    return {
+        "model": model,
+        "architecture": overrides,
+        "classes": store.classes,
+        "input": {"frames": p["clip_frames"], "height": p["height"], "width": p["width"]},
+        "crop": crop,
+        "store": str(store_path),
+        "data_fingerprint": store_fingerprint(store_path),
+        "metrics": {k: metrics[k] for k in ("clip_top1", "clip_top5", "video_top1", "video_top5", "loss")},
+        "metrics_split": metrics["split"],
+        "per_class_accuracy": metrics["per_class_accuracy"],
+        "code_commit": _code_commit(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "steps": steps,
+        "world_size": world_size,
+    }
+
+
+def write_final(run_dir: Path, state: dict[str, torch.Tensor], record: dict[str, Any], metrics: dict[str, Any]) -> Path:
+    """The end of any run: consolidated weights, eval.json, final/run.json, the evaluation row and the plots."""
+    from safetensors.torch import save_file
+
+    final = Path(run_dir) / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(final / "model.safetensors"))
+    _write_json(Path(run_dir) / "eval.json", metrics)
+    _write_json(final / "run.json", record)
+    plot_run(Path(run_dir), record["classes"])
+    return final / "model.safetensors"
 
 
 def load_trained(run_or_weights: Path) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+#SBATCH --job-name=clipforge-ps
+#SBATCH --ntasks=3
+#SBATCH --time=04:00:00
+"""Asynchronous parameter-server training (async, SSP or sync) or federated averaging, over torch.distributed.rpc.
+
+    python jobs/ps_train.py --servers 2 --trainers 16 --store /lustre/scratch/k400 --server.mode ssp --cluster mycluster
+    python jobs/ps_train.py --servers 1 --trainers 4 --algorithm fedavg --trainer.partition by_class --fed.rounds 20
+    sbatch jobs/ps_train.py --servers 1 --store ...      # the first --servers tasks serve, the rest train
+
+The run directory has the same layout as jobs/train.py's, so evaluate.py and the registry take it as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Annotated
+
+import tyro
+import yaml
+
+from clipforge.hpc.distenv import dist_env
+from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.resources import Resources
+from clipforge.jobs import config
+from clipforge.ps import run as ps
+from clipforge.ps.run import PSError, PSSettings
+
+
+@dataclasses.dataclass
+class Config(PSSettings):
+    """Parameter-server or federated training on a clip store."""
+
+    trainers: int = 2
+    """Trainer ranks (clients, for fedavg); with --servers this sets the job's task count."""
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(time="04:00:00", job_name="clipforge-ps")
+    )
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    cfg = config.parse(Config, argv)
+    tasks = cfg.servers + cfg.trainers
+    if tasks % cfg.resources.nodes:
+        raise config.ConfigError(f"{cfg.servers} servers + {cfg.trainers} trainers do not spread evenly over {cfg.resources.nodes} nodes")
+    cfg.resources.ntasks_per_node = tasks // cfg.resources.nodes
+    return cfg
+
+
+def check(cfg: Config) -> None:
+    """Refuse a job that cannot work before anything is submitted."""
+    try:
+        ps.check(cfg, cfg.servers + cfg.trainers)
+    except (PSError, ValueError) as exc:
+        raise config.ConfigError(str(exc)) from None
+
+
+def main(cfg: Config) -> dict | None:
+    env = dist_env()
+    setup_logging(env.rank)
+    if env.rank == 0:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    try:
+        return ps.run(cfg, env)
+    except PSError as exc:
+        raise config.ConfigError(str(exc)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(config.guarded(lambda: run_script("clipforge.jobs.ps_train"))())

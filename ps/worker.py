@@ -1,0 +1,184 @@
+"""Trainers and federated clients: the processes that compute on their own data and talk to the servers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.distributed import rpc
+
+from clipforge.preprocess.reader import ClipDataset
+
+from . import server as srv
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainerSettings:
+    steps: int = 100
+    """Iterations (clocks) per trainer."""
+    batch: int = 8
+    """Clips per iteration."""
+    n_fetch: int = 1
+    """Pull fresh parameters every n iterations (Downpour's n_fetch)."""
+    n_push: int = 1
+    """Push accumulated gradients every n iterations (Downpour's n_push)."""
+    partition: Literal["iid", "by_class"] = "iid"
+    """How the training clips are divided among trainers: at random, or by class (non-IID)."""
+    slow_trainer: int | None = None
+    """Make this trainer a straggler (for experiments and benchmarks)."""
+    slow_factor: float = 3.0
+    """How much slower the straggler is."""
+    log_every: int = 10
+    """Log a line every N iterations (trainer 0)."""
+
+
+def partition(labels: np.ndarray, parts: int, how: str, seed: int) -> list[np.ndarray]:
+    """Indices of each trainer's share: a seeded random split, or contiguous runs of classes (non-IID)."""
+    if how == "iid":
+        order = np.random.default_rng(seed).permutation(len(labels))
+        return [np.sort(order[k::parts]) for k in range(parts)]
+    order = np.argsort(labels, kind="stable")
+    return [np.sort(chunk) for chunk in np.array_split(order, parts)]
+
+
+def batch_indices(share: np.ndarray, step: int, batch: int, seed: int, trainer: int) -> np.ndarray:
+    """The clips of one trainer's iteration: a function of (seed, trainer, step), so any run can recompute it."""
+    epoch, offset = divmod(step * batch, len(share))
+    order = np.random.default_rng([seed, trainer, epoch]).permutation(len(share))
+    picks = [order[(offset + i) % len(share)] for i in range(batch)]
+    return share[picks]
+
+
+class Trainer:
+    """One trainer of the asynchronous/SSP/sync parameter server."""
+
+    def __init__(self, index: int, servers: list[str], owner: dict[str, int], model: torch.nn.Module, dataset: ClipDataset,
+                 share: np.ndarray, settings: TrainerSettings, seed: int, metrics: Path | None) -> None:  # fmt: skip
+        self.index, self.name = index, f"trainer{index}"
+        self.servers, self.owner, self.model, self.dataset = servers, owner, model, dataset
+        self.share, self.settings, self.seed, self.metrics = share, settings, seed, metrics
+        self.versions = [0] * len(servers)
+
+    def run(self) -> int:
+        s = self.settings
+        start = max(rpc.rpc_sync(name, srv.remote_clock, args=(self.name,)) for name in self.servers)
+        if start:
+            log.info("%s resumes at clock %d", self.name, start)
+        accumulated = 0
+        started = time.perf_counter()
+        for step in range(start, s.steps):
+            if (step - start) % s.n_fetch == 0:
+                self._pull()
+            tick = time.perf_counter()
+            loss = self._forward_backward(step)
+            accumulated += 1
+            if accumulated == s.n_push or step == s.steps - 1:
+                self._push(step + 1, accumulated)
+                accumulated = 0
+            if s.slow_trainer == self.index:
+                time.sleep((time.perf_counter() - tick) * (s.slow_factor - 1))
+            if self.metrics is not None and ((step + 1) % s.log_every == 0 or step + 1 == s.steps):
+                rate = (step + 1 - start) / (time.perf_counter() - started)
+                row = {"kind": "train", "step": step + 1, "loss": loss, "trainer": self.index, "iterations_per_s": rate, "time": time.time()}
+                with open(self.metrics, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        for name in self.servers:
+            rpc.rpc_sync(name, srv.remote_leave, args=(self.name,))
+        return s.steps
+
+    def _pull(self) -> None:
+        futures = [rpc.rpc_async(name, srv.remote_pull, args=(self.name,)) for name in self.servers]
+        state = {}
+        for k, future in enumerate(futures):
+            params, self.versions[k] = future.wait()
+            state.update(params)
+        self.model.load_state_dict(state, strict=False)
+
+    def _forward_backward(self, step: int) -> float:
+        idx = batch_indices(self.share, step, self.settings.batch, self.seed, self.index)
+        items = [self.dataset[int(i)] for i in idx]
+        clips = torch.stack([c for c, _ in items])
+        labels = torch.tensor([y for _, y in items])
+        loss = F.cross_entropy(self.model(clips), labels)
+        loss.backward()
+        return float(loss.item())
+
+    def _push(self, clock: int, accumulated: int) -> None:
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in self.servers]
+        for name, p in self.model.named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            shards[self.owner[name]][name] = grad / accumulated
+        futures = [rpc.rpc_async(name, srv.remote_push, args=(self.name, shards[k], clock, self.versions[k])) for k, name in enumerate(self.servers)]
+        for future in futures:
+            future.wait()  # SSP and sync hold this until the others catch up
+        self.model.zero_grad(set_to_none=True)
+
+
+# -- federated averaging: clients train locally when the server asks ---------------------------
+@dataclasses.dataclass
+class FedSettings:
+    rounds: int = 10
+    """Communication rounds."""
+    local_epochs: int = 1
+    """Epochs each sampled client trains per round (E)."""
+    client_fraction: float = 1.0
+    """Share of clients sampled each round (C)."""
+    lr: float = 0.002
+    """Clients' AdamW learning rate (a fresh optimizer each round, as FedAvg clients are stateless)."""
+    batch: int = 8
+    """Clips per local step."""
+    round_timeout_s: float = 120.0
+    """A client that does not answer within this is left out of the round."""
+
+
+@dataclasses.dataclass
+class _Client:
+    model: torch.nn.Module
+    dataset: ClipDataset
+    share: np.ndarray
+    seed: int
+    stop: threading.Event
+
+
+_CLIENT: _Client | None = None
+
+
+def install_client(model: torch.nn.Module, dataset: ClipDataset, share: np.ndarray, seed: int) -> threading.Event:
+    global _CLIENT
+    _CLIENT = _Client(model, dataset, share, seed, threading.Event())
+    return _CLIENT.stop
+
+
+def local_train(state: dict[str, torch.Tensor], epochs: int, lr: float, batch: int, round_index: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Run on a client: start from the global weights, train E epochs on the client's own data, return weights and sample count."""
+    c = _CLIENT
+    assert c is not None
+    c.model.load_state_dict(state)
+    optimizer = torch.optim.AdamW(c.model.parameters(), lr=lr)
+    rng = np.random.default_rng([c.seed, round_index])
+    c.model.train()
+    for _ in range(epochs):
+        order = c.share[rng.permutation(len(c.share))]
+        for start in range(0, len(order), batch):
+            items = [c.dataset[int(i)] for i in order[start : start + batch]]
+            clips = torch.stack([x for x, _ in items])
+            labels = torch.tensor([y for _, y in items])
+            optimizer.zero_grad()
+            F.cross_entropy(c.model(clips), labels).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in c.model.state_dict().items()}, len(c.share)
+
+
+def client_stop() -> None:
+    if _CLIENT is not None:
+        _CLIENT.stop.set()

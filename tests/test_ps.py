@@ -1,0 +1,195 @@
+"""The parameter server and federated averaging with real RPC processes on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clipforge.models.builders import architecture
+from clipforge.models.trainer import evaluate_model, load_trained
+from clipforge.preprocess.reader import ClipDataset
+from clipforge.ps import worker
+
+TINY = ["--depth", "1", "--tubelet", "2", "8", "8", "--trainer.batch", "4", "--trainer.log-every", "5", "--seed", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(store: Path, run: Path, servers: int, trainers: int, *extra: str) -> list[subprocess.Popen]:
+    """One process per rank, as Slurm or torchrun would start them (no MPI: a dead rank must not take the others down)."""
+    port, world = free_port(), servers + trainers
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--store", str(store), "--run-dir", str(run), "--servers", str(servers),
+                "--trainers", str(trainers), *TINY, *extra]  # fmt: skip
+        log = open(run.parent / f"{run.name}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], run: Path, timeout: float = 300) -> None:
+    for rank, p in enumerate(procs):
+        code = p.wait(timeout=timeout)
+        assert code == 0, (run.parent / f"{run.name}-rank{rank}.log").read_text()[-3000:]
+
+
+def rows(run: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    finish(start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.lr", "0.05"), run)
+    losses = [r["loss"] for r in rows(run, "train")]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2])
+    summary = rows(run, "ps")[0]
+    assert summary["mode"] == "async" and summary["updates"] == 80 and summary["clocks"] == {"trainer0": 40, "trainer1": 40}
+    model, record = load_trained(run)  # what evaluate.py and the registry read
+    assert record["parameter_server"]["updates"] == 80 and (run / "plots" / "curves.png").exists()
+
+
+def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    finish(start(tiny_store, run, 2, 2, "--trainer.steps", "6"), run)
+    final = load_file(str(run / "final" / "model.safetensors"))
+    shards = [torch.load(run / "ps" / f"server-{k}.pt", weights_only=True)["params"] for k in range(2)]
+    assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(final)
+    assert all(len(shard) > 0 for shard in shards)
+    for shard in shards:
+        for name, value in shard.items():
+            assert torch.equal(final[name], value)
+
+
+def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    steps, lr = 4, 0.05
+    finish(start(tiny_store, run, 1, 2, "--server.mode", "sync", "--trainer.steps", str(steps), "--server.lr", str(lr)), run)
+    arch = architecture("videovit-tiny", 6, 8, 32, depth=1, tubelet=(2, 8, 8))
+    model = arch.build(seed=0)
+    dataset = ClipDataset(tiny_store, "train")
+    shares = worker.partition(dataset.labels, 2, "iid", 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        grads = []
+        for t in range(2):
+            model.zero_grad()
+            items = [dataset[int(i)] for i in worker.batch_indices(shares[t], step, 4, 0, t)]
+            loss = torch.nn.functional.cross_entropy(model(torch.stack([c for c, _ in items])), torch.tensor([y for _, y in items]))
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(dim=0)
+        optimizer.step()
+    final = load_file(str(run / "final" / "model.safetensors"))
+    for name, value in model.state_dict().items():
+        assert torch.allclose(final[name], value, atol=1e-5), name
+
+
+def test_ssp_never_applies_an_update_staler_than_its_bound(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    finish(start(tiny_store, run, 1, 2, "--server.mode", "ssp", "--server.staleness", "1", "--trainer.steps", "16",
+                 "--trainer.slow-trainer", "1", "--trainer.slow-factor", "4"), run)  # fmt: skip
+    summary = rows(run, "ps")[0]
+    assert summary["max_clock_gap"] <= 1
+    assert summary["clocks"] == {"trainer0": 16, "trainer1": 16}
+
+
+def test_a_trainer_killed_mid_run_does_not_stop_the_job(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    procs = start(tiny_store, run, 1, 3, "--trainer.steps", "60", "--server.trainer-timeout-s", "3", "--server.mode", "ssp", "--server.staleness", "2")
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or len(rows(run, "train")) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    procs[3].send_signal(signal.SIGKILL)
+    procs[3].wait()
+    finish(procs[:3], run)
+    summary = rows(run, "ps")[0]
+    assert summary["clocks"]["trainer0"] == 60 and summary["clocks"]["trainer1"] == 60 and summary["clocks"]["trainer2"] < 60
+    assert (run / "final" / "model.safetensors").exists()
+    assert "trainer2 silent for 3 s (presumed dead)" in (tmp_path / "run-rank0.log").read_text()
+
+
+def test_a_restarted_job_continues_from_the_server_checkpoint_and_its_clocks(tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ("--trainer.steps", "60", "--server.checkpoint-every", "10")
+    procs = start(tiny_store, run, 1, 2, *args)
+    checkpoint = run / "ps" / "server-0.pt"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() or torch.load(checkpoint, weights_only=True)["version"] < 20:
+        assert time.monotonic() < deadline and procs[0].poll() is None
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    saved = torch.load(checkpoint, weights_only=True)
+    finish(start(tiny_store, run, 1, 2, *args), run)
+    log = (tmp_path / "run-rank0.log").read_text()
+    assert f"restored from {checkpoint} at version {saved['version']}" in log
+    summary = rows(run, "ps")[-1]
+    assert summary["clocks"] == {"trainer0": 60, "trainer1": 60}
+    assert summary["updates"] == saved["version"] + (120 - sum(saved["clocks"].values()))
+
+
+@pytest.fixture(scope="module")
+def motion_store(tmp_path_factory, mpiexec) -> Path:
+    """Clips large enough for a one-block transformer to tell the motions apart (64 px, 16 frames)."""
+    from clipforge.preprocess import synthetic
+
+    root = tmp_path_factory.mktemp("motion")
+    synthetic.make_corpus(root / "videos", videos_per_class=8, frames=(48, 64), seed=1)
+    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(root / "videos"), "--out", str(root / "store"),
+            "--clip-frames", "16", "--height", "64", "--width", "64", "--split.train", "0.6", "--split.val", "0.4", "--split.test", "0"]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True, timeout=300)
+    return root / "store"
+
+
+def test_federated_averaging_of_non_iid_clients_beats_the_best_single_client(motion_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rounds, epochs, model_args = 30, 2, ["--depth", "1", "--tubelet", "4", "16", "16"]
+    procs = []
+    port, world = free_port(), 4
+    for rank in range(world):  # the same launch as start(), with this store's model
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--store", str(motion_store), "--run-dir", str(run), "--servers", "1", "--trainers", "3",
+                *model_args, "--algorithm", "fedavg", "--trainer.partition", "by_class", "--fed.rounds", str(rounds), "--fed.local-epochs", str(epochs), "--fed.lr", "0.002"]  # fmt: skip
+        procs.append(subprocess.Popen(argv, env=env, stdout=open(tmp_path / f"run-rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    finish(procs, run)
+    fed = json.loads((run / "eval.json").read_text())["video_top1"]
+    arch = architecture("videovit-tiny", 6, 16, 64, depth=1, tubelet=(4, 16, 16))
+    dataset = ClipDataset(motion_store, "train")
+    best = 0.0
+    for c, share in enumerate(worker.partition(dataset.labels, 3, "by_class", 0)):
+        model = arch.build(seed=0)
+        worker.install_client(model, dataset, share, c + 1)
+        for r in range(rounds):  # the same local work, never averaged with the others
+            worker.local_train({k: v.clone() for k, v in model.state_dict().items()}, epochs, 0.002, 8, r)
+        best = max(best, evaluate_model(model, ClipDataset(motion_store, "val"), 8, None)["video_top1"])
+    assert fed > best, (fed, best)  # each client knows two of the six classes; together they know all
+
+
+@pytest.mark.slurm
+def test_a_parameter_server_job_runs_through_submitit_on_slurm_with_three_tasks(slurm, tiny_store: Path, tmp_path: Path) -> None:
+    from clipforge.hpc.launch import run_script
+
+    run = tmp_path / "run"
+    results = run_script("clipforge.jobs.ps_train", ["--cluster", "dev", "--wait", "True", "--store", str(tiny_store), "--run-dir", str(run),
+                                                     "--servers", "1", "--trainers", "2", "--trainer.steps", "10", *TINY])  # fmt: skip
+    assert len(results) == 3 and results[0]["summary"]["clocks"] == {"trainer0": 10, "trainer1": 10}
+    assert (run / "final" / "model.safetensors").exists()
