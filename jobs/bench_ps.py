@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Benchmark of the parameter server: sync, SSP and async side by side with one trainer slowed down.
+
+    python jobs/bench_ps.py [--trainers 3] [--steps 60] [--slow-factor 3]
+
+Makes a small motion corpus, packs it, then trains the same model on the same
+data with each consistency mode (1 server, N trainers, trainer 1 a straggler)
+and prints updates/s, wall time and final accuracy, with ratios to sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tyro
+
+from clipforge.hpc.mpi import mpiexec_command
+from clipforge.preprocess import synthetic
+
+
+@dataclasses.dataclass
+class Config:
+    """Compare sync, ssp and async with a straggler."""
+
+    trainers: int = 3
+    """Trainer processes."""
+    steps: int = 60
+    """Iterations per trainer."""
+    slow_factor: float = 3.0
+    """How much slower trainer 1 is."""
+    staleness: int = 2
+    """SSP bound."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(store: Path, run: Path, mode: str, cfg: Config) -> dict:
+    port, world = free_port(), 1 + cfg.trainers
+    procs = []
+    started = time.perf_counter()
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--store", str(store), "--run-dir", str(run), "--servers", "1",
+                "--trainers", str(cfg.trainers), "--depth", "1", "--tubelet", "4", "16", "16", "--server.mode", mode,
+                "--server.staleness", str(cfg.staleness), "--server.optimizer", "adamw", "--server.lr", "0.001",
+                "--trainer.steps", str(cfg.steps), "--trainer.batch", "8", "--trainer.slow-trainer", "1",
+                "--trainer.slow-factor", str(cfg.slow_factor)]  # fmt: skip
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"{mode} run failed")
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in rows if r["kind"] == "ps")
+    evaluation = next(r for r in rows if r["kind"] == "eval")
+    return {"updates_per_s": summary["updates_per_s"], "wall_s": wall, "video_top1": evaluation["video_top1"], "clip_top1": evaluation["clip_top1"],
+            "staleness": summary["staleness_histogram"]}  # fmt: skip
+
+
+def main(cfg: Config) -> None:
+    with tempfile.TemporaryDirectory(prefix="clipforge-bench-ps-") as tmp:
+        work = Path(tmp)
+        synthetic.make_corpus(work / "videos", videos_per_class=10, frames=(48, 64), seed=2)
+        subprocess.run([*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(work / "videos"),
+                        "--out", str(work / "store"), "--clip-frames", "16", "--height", "64", "--width", "64",
+                        "--split.train", "0.7", "--split.val", "0.3", "--split.test", "0"], check=True, capture_output=True)  # fmt: skip
+        results = {mode: run_mode(work / "store", work / mode, mode, cfg) for mode in ("sync", "ssp", "async")}
+    base = results["sync"]
+    print(f"\n1 server, {cfg.trainers} trainers, trainer 1 slowed {cfg.slow_factor:g}x, {cfg.steps} iterations each, SSP bound {cfg.staleness}\n")
+    print(f"{'mode':<6} {'updates/s':>10} {'vs sync':>8} {'wall s':>7} {'video top-1':>12} {'vs sync':>8}  staleness histogram")
+    for mode, r in results.items():
+        print(f"{mode:<6} {r['updates_per_s']:10.2f} {r['updates_per_s'] / base['updates_per_s']:7.2f}x {r['wall_s']:7.1f} "
+              f"{r['video_top1']:12.3f} {100 * (r['video_top1'] - base['video_top1']):+7.1f}pt  {r['staleness']}")  # fmt: skip
+    print("\ngoal: ssp and async >= 1.5x the updates/s of sync, within 2 points of its accuracy")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
