@@ -138,12 +138,42 @@ def submit_script(module: str, argv: list[str], resources: Resources, launch: La
     if not wait:
         print(f"job {job.job_id} submitted; follow it with: clipforge jobs logs {job.job_id}")
         return job
+    if kind == "local":
+        _follow(job)
     try:
         results = job.results()
     except submitit.core.utils.FailedJobError as exc:
         last = [line for line in str(exc).splitlines() if line.strip()][-1:] or ["no message"]
         raise LaunchError(f"job {job.job_id} failed: {last[0].strip()} (log: {job.paths.stderr})") from None
     return results[0] if len(results) == 1 else results
+
+
+def _follow(job: submitit.Job) -> None:
+    """Echo rank 0's log while a local job runs, so progress shows on the terminal as it happens."""
+    import time
+    from pathlib import Path
+
+    paths = [Path(str(job.paths.stderr).replace("%t", "0")), Path(str(job.paths.stdout).replace("%t", "0"))]
+    offsets = {p: 0 for p in paths}
+
+    def echo() -> None:
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offsets[path])
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            complete = chunk.rfind(b"\n") + 1  # whole lines only
+            if complete:
+                offsets[path] += complete
+                sys.stderr.write(chunk[:complete].decode(errors="replace"))
+                sys.stderr.flush()
+
+    while not job.done():
+        echo()
+        time.sleep(1.0)
+    echo()
 
 
 def _srun(module: str, argv: list[str], profile: ClusterProfile, ntasks: int, replace: bool) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ MODEL_NAME = "demo-videovit-tiny"
 
 def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
     started = time.time()
+    os.environ.setdefault("CLIPFORGE_LOG_INTERVAL", "10")  # the jobs' progress lines, echoed here while they run
     workdir = Path(workdir).resolve()
     where = ["--cluster", cluster] if cluster else ["--executor", "local"]
     stages = 5

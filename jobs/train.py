@@ -28,7 +28,7 @@ from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.trainer import TrainError, Trainer, TrainSettings, check_settings
+from clipforge.models.trainer import CheckpointError, TrainError, Trainer, TrainSettings, check_settings
 
 log = logging.getLogger("clipforge.train")
 
@@ -66,7 +66,11 @@ def main(cfg: Config) -> dict | None:
     if env.rank == 0:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except CheckpointError as exc:
+        logging.getLogger("clipforge.train").error("%s", exc)
+        raise SystemExit(1) from None
     return result if env.rank == 0 else None
 
 

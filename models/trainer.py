@@ -43,6 +43,10 @@ class TrainError(ValueError):
     """A training run that cannot start as configured; the message says what to change."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names the last complete one, which stays valid."""
+
+
 @dataclasses.dataclass
 class ModelSettings:
     name: str = "videovit-tiny"
@@ -440,7 +444,15 @@ class Trainer:
         tag = f"step-{self.step:08d}"
         if (self.checkpoint_dir / tag / "complete.json").exists():
             return
-        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state={"step": self.step}, save_latest=False)
+        try:
+            self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state={"step": self.step}, save_latest=False)
+        except (OSError, RuntimeError) as exc:
+            kept = next(iter(complete_checkpoints(self.checkpoint_dir)), None)
+            shutil.rmtree(self.checkpoint_dir / tag, ignore_errors=True)  # never leave half a checkpoint to fill the disk
+            raise CheckpointError(
+                f"checkpoint {tag} could not be written to {self.checkpoint_dir}: {exc}; "
+                + (f"the last complete checkpoint {kept} is intact: free space and start the job again to resume from it" if kept else "there is no earlier checkpoint")
+            ) from None
         torch.distributed.barrier()
         if self.dist.is_main:
             folder = self.checkpoint_dir / tag
