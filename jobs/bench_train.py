@@ -8,7 +8,9 @@ bf16 steps with AdamW, and counts the bytes of the tensors each rank holds:
 parameters, gradients (just after backward, before the step frees them) and
 optimizer state (fp32 master weights, Adam moments). Each figure is printed
 beside the paper's formula for mixed-precision Adam (Rajbhandari et al. 2020):
-stage 0 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N.
+stage 0 16Ψ, stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N. The peer is plain
+``torch.nn.parallel.DistributedDataParallel`` with AdamW at fp32 (16Ψ: weights,
+gradients and two moments, 4 bytes each).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 import tyro
 
-FORMULA = {0: lambda p, n: 16 * p, 1: lambda p, n: 4 * p + 12 * p / n, 2: lambda p, n: 2 * p + 14 * p / n, 3: lambda p, n: 16 * p / n}
+FORMULA = {-1: lambda p, n: 16 * p, 0: lambda p, n: 16 * p, 1: lambda p, n: 4 * p + 12 * p / n, 2: lambda p, n: 2 * p + 14 * p / n, 3: lambda p, n: 16 * p / n}
 # Dense bf16 peak of the accelerators we know, for MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
@@ -47,7 +49,7 @@ class Config:
     steps: int = 6
     """Timed steps per stage (after one warm-up step)."""
     stage: int | None = None
-    """Internal: run one stage as a rank of mpiexec and write its figures to --out."""
+    """Internal: run one stage (-1: plain DDP, the peer) as a rank of mpiexec and write its figures to --out."""
     out: Path | None = None
     """Internal: where a stage's figures go."""
 
@@ -106,9 +108,43 @@ def _tensors(value, depth: int = 0):
             yield from _tensors(v, depth + 1)
 
 
+def run_ddp(cfg: Config) -> None:
+    """The peer: plain torch DistributedDataParallel with AdamW at fp32 (what DeepSpeed's stages replace)."""
+    from clipforge.hpc.distenv import setup_distributed
+    from clipforge.models.builders import architecture
+
+    env = setup_distributed()
+    torch.distributed.init_process_group("gloo")
+    arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
+    model = torch.nn.parallel.DistributedDataParallel(arch.build(seed=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (cfg.batch,))
+    times = []
+    for step in range(cfg.steps + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(clips), labels).backward()
+        optimizer.step()
+        if step:
+            times.append(time.perf_counter() - start)
+    held = {"parameters": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+            "gradients": sum(p.grad.untyped_storage().nbytes() for p in model.parameters()),
+            "optimizer": sum(t.untyped_storage().nbytes() for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim())}  # fmt: skip
+    gathered = [None] * env.world_size
+    torch.distributed.all_gather_object(gathered, held)
+    if env.rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        cfg.out.write_text(json.dumps({"stage": "ddp", "parameters": params, "per_rank": gathered, "step_s": sorted(times)[len(times) // 2]}))
+    torch.distributed.destroy_process_group()
+
+
 def run_stage(cfg: Config) -> None:
     """One rank of one stage (under mpiexec)."""
     import deepspeed
+
+    if cfg.stage == -1:
+        return run_ddp(cfg)
 
     from clipforge.hpc.distenv import setup_distributed
     from clipforge.models.builders import architecture
@@ -157,7 +193,7 @@ def main(cfg: Config) -> None:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for stage in (0, 1, 2, 3):
+        for stage in (-1, 0, 1, 2, 3):
             out = Path(tmp) / f"stage{stage}.json"
             argv = [*mpiexec_command(cfg.ranks), sys.executable, "-m", "clipforge.jobs.bench_train", "--stage", str(stage), "--out", str(out),
                     "--model", cfg.model, "--frames", str(cfg.frames), "--size", str(cfg.size), "--batch", str(cfg.batch), "--steps", str(cfg.steps)]  # fmt: skip
@@ -169,12 +205,13 @@ def main(cfg: Config) -> None:
     print(f"\n{cfg.model}: Ψ = {psi / 1e6:.1f} M parameters, N = {n} ranks, bf16 + AdamW, {cfg.batch} clips of {cfg.frames}x{cfg.size}x{cfg.size} per rank, on {device}\n")
     print(f"{'stage':<6} {'params':>9} {'grads':>9} {'optim':>9} {'total/rank':>11} {'formula':>9} {'ratio':>6}  {'step s':>7} {'vs stage 0':>10} {'clips/s':>8}")
     for stage, r in results.items():
+        label = "ddp" if stage == -1 else str(stage)
         rank0 = r["per_rank"][0]
         total = sum(rank0.values())
         formula = FORMULA[stage](psi, n)
         clips_s = cfg.batch * n / r["step_s"]
         print(
-            f"{stage:<6} {rank0['parameters'] / 2**20:8.1f}M {rank0['gradients'] / 2**20:8.1f}M {rank0['optimizer'] / 2**20:8.1f}M "
+            f"{label:<6} {rank0['parameters'] / 2**20:8.1f}M {rank0['gradients'] / 2**20:8.1f}M {rank0['optimizer'] / 2**20:8.1f}M "
             f"{total / 2**20:10.1f}M {formula / 2**20:8.1f}M {total / formula:5.2f}x  {r['step_s']:7.3f} {r['step_s'] / results[0]['step_s']:9.2f}x {clips_s:8.1f}"
         )
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
