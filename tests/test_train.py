@@ -197,3 +197,22 @@ def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tin
     assert "resumed from checkpoint step-000000" in log, log[-3000:]
     assert result["step"] == 150
     assert losses(run)[150] == losses(tmp_path / "reference")[150]
+
+
+def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, tmp_path: Path) -> None:
+    from clipforge.preprocess import synthetic
+
+    run = zero_runs[1]
+    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.evaluate", "--run", str(run), "--split", "val"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    evaluated = json.loads((run / "eval-val.json").read_text())
+    assert evaluated["video_top1"] == pytest.approx(json.loads((run / "eval.json").read_text())["video_top1"])
+    video = synthetic.write_video(tmp_path / "clip.mp4", synthetic.VideoSpec("move_up", frames=40, width=64, height=48))
+    (tmp_path / "broken.mp4").write_bytes(b"not a video")
+    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.predict", str(video), str(tmp_path / "broken.mp4"), "--run", str(run),
+                             "--top", "2", "--json-out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{tmp_path / 'broken.mp4'}: cannot classify: cannot open" in result.stderr and "Traceback" not in result.stderr
+    predictions = json.loads((tmp_path / "p.json").read_text())
+    assert [p["video"] for p in predictions] == [str(video)] and len(predictions[0]["top"]) == 2
+    assert sum(t["probability"] for t in predictions[0]["top"]) <= 1.0 + 1e-6
