@@ -104,9 +104,9 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
             deadline = time.monotonic() + 20
-            while _alive(pid) and time.monotonic() < deadline:
+            while process_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
             self.pid_file(daemon).unlink(missing_ok=True)
 
@@ -272,7 +272,7 @@ class LocalCluster:
             pid = int(self.pid_file(daemon).read_text().split()[0])
         except (FileNotFoundError, ValueError, IndexError):
             return None
-        return pid if _alive(pid) else None
+        return pid if process_alive(pid) else None
 
     def _client_ok(self, argv: list[str]) -> bool:
         result = subprocess.run(argv, env=dict(os.environ, **self.env), capture_output=True, text=True)
@@ -319,7 +319,8 @@ def _lines(**settings: object) -> str:
     return "".join(f"{k}={v}\n" for k, v in settings.items())
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .cluster import process_alive
 from .executor import RECORD, jobs_root
 
 POLL_INTERVAL_S = 30.0
@@ -95,11 +96,13 @@ def cancel(record: JobRecord) -> None:
     if record.executor == "slurm":
         subprocess.run(["scancel", record.job_id], check=True)
     else:
-        pid = int(record.job_id)
-        try:
-            os.kill(pid, 15)
-        except ProcessLookupError:
-            pass
+        # submitit's tasks ignore SIGTERM (they wait for USR2), and the local controller shares our
+        # process group: kill the controller's own process tree, tasks first.
+        for pid in reversed(_process_tree(int(record.job_id))):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 def _state_from_results(record: JobRecord) -> str | None:
@@ -111,9 +114,25 @@ def _state_from_results(record: JobRecord) -> str | None:
     return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
 
 
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, parents before children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        tree.append(pid)
+        queue.extend(children.get(pid, []))
+    return tree
+
+
 def _pid_alive(job_id: str) -> bool:
     try:
-        os.kill(int(job_id), 0)
-    except (ProcessLookupError, ValueError):
+        return process_alive(int(job_id))
+    except ValueError:
         return False
-    return True

@@ -116,7 +116,8 @@ def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
     rpc.init_rpc(name, rank=env.rank, world_size=env.world_size, rpc_backend_options=options)
     t = env.rank - s.servers
     metrics = s.run_dir / "metrics.jsonl" if t == 0 else None
-    trainer = worker.Trainer(t, servers, owner, model, dataset, shares[t], s.trainer, s.seed, metrics)
+    probe = ClipDataset(store, s.eval_split) if t == 0 and s.trainer.probe_every else None
+    trainer = worker.Trainer(t, servers, owner, model, dataset, shares[t], s.trainer, s.seed, metrics, probe)
     trainer.run()
     rpc.shutdown(graceful=False)
     return None

@@ -182,6 +182,10 @@ class ShardServer:
             time.sleep(min(1.0, self.settings.trainer_timeout_s / 4))
             with self.lock:
                 now = time.monotonic()
+                # A trainer whose push the server itself is holding (SSP wait, sync round) is waiting, not silent.
+                held = {t for _, t, _ in self.waiting} | set(self.round)
+                for trainer in held:
+                    self.last_seen[trainer] = now
                 for trainer in list(self.live):
                     if now - self.last_seen[trainer] > self.settings.trainer_timeout_s:
                         self._drop(trainer, f"silent for {self.settings.trainer_timeout_s:.0f} s (presumed dead)")

@@ -40,6 +40,8 @@ class TrainerSettings:
     """How much slower the straggler is."""
     log_every: int = 10
     """Log a line every N iterations (trainer 0)."""
+    probe_every: int = 0
+    """Trainer 0 evaluates its current copy of the model every N iterations (0: never), for time-to-accuracy."""
 
 
 def partition(labels: np.ndarray, parts: int, how: str, seed: int) -> list[np.ndarray]:
@@ -63,8 +65,9 @@ class Trainer:
     """One trainer of the asynchronous/SSP/sync parameter server."""
 
     def __init__(self, index: int, servers: list[str], owner: dict[str, int], model: torch.nn.Module, dataset: ClipDataset,
-                 share: np.ndarray, settings: TrainerSettings, seed: int, metrics: Path | None) -> None:  # fmt: skip
+                 share: np.ndarray, settings: TrainerSettings, seed: int, metrics: Path | None, probe: ClipDataset | None = None) -> None:  # fmt: skip
         self.index, self.name = index, f"trainer{index}"
+        self.probe = probe
         self.servers, self.owner, self.model, self.dataset = servers, owner, model, dataset
         self.share, self.settings, self.seed, self.metrics = share, settings, seed, metrics
         self.versions = [0] * len(servers)
@@ -87,6 +90,8 @@ class Trainer:
                 accumulated = 0
             if s.slow_trainer == self.index:
                 time.sleep((time.perf_counter() - tick) * (s.slow_factor - 1))
+            if self.metrics is not None and self.probe is not None and s.probe_every and (step + 1) % s.probe_every == 0:
+                self._probe(step + 1, time.perf_counter() - started)
             if self.metrics is not None and ((step + 1) % s.log_every == 0 or step + 1 == s.steps):
                 rate = (step + 1 - start) / (time.perf_counter() - started)
                 row = {"kind": "train", "step": step + 1, "loss": loss, "trainer": self.index, "iterations_per_s": rate, "time": time.time()}
@@ -95,6 +100,15 @@ class Trainer:
         for name in self.servers:
             rpc.rpc_sync(name, srv.remote_leave, args=(self.name,))
         return s.steps
+
+    def _probe(self, step: int, elapsed: float) -> None:
+        from clipforge.models.trainer import evaluate_model
+
+        self._pull()  # the parameters as the servers hold them now
+        result = evaluate_model(self.model, self.probe, self.settings.batch, None)
+        self.model.train()
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps({"kind": "probe", "step": step, "seconds": elapsed, "video_top1": result["video_top1"], "clip_top1": result["clip_top1"]}) + "\n")
 
     def _pull(self) -> None:
         futures = [rpc.rpc_async(name, srv.remote_pull, args=(self.name,)) for name in self.servers]

@@ -55,7 +55,7 @@ def rows(run: Path, kind: str) -> list[dict]:
 
 def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(tiny_store: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    finish(start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.lr", "0.05"), run)
+    finish(start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.optimizer", "adamw", "--server.lr", "0.001"), run)
     losses = [r["loss"] for r in rows(run, "train")]
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
     summary = rows(run, "ps")[0]

@@ -24,3 +24,26 @@ def test_the_local_executor_runs_the_same_job_with_two_ranks() -> None:
     assert {r["source"] for r in results} == {"submitit-local"} and results[0]["all_reduce"] == 3.0
     listed = records.list_jobs()
     assert [(r.executor, r.state) for r in listed] == [("local", "COMPLETED")]
+
+
+def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    job = run_script("clipforge.jobs.selftest", ["--executor", "local", "--ntasks-per-node", "1", "--wait", "False", "--steps", "600",
+                                                 "--step-seconds", "0.1", "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    cli = [sys.executable, "-m", "clipforge.jobs.cli", "jobs"]
+    deadline = time.monotonic() + 60
+    while "step 10/600" not in subprocess.run([*cli, "logs", job.job_id], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline, "no progress in the job's log"
+        time.sleep(0.5)
+    status = json.loads(subprocess.run([*cli, "status", job.job_id], capture_output=True, text=True, check=True).stdout)
+    assert status["state"] == "RUNNING" and status["job_id"] == job.job_id
+    subprocess.run([*cli, "cancel", job.job_id], check=True, capture_output=True)
+    deadline = time.monotonic() + 30
+    while records.find_job(job.job_id).state == "RUNNING":
+        assert time.monotonic() < deadline, "the job did not stop"
+        time.sleep(0.5)
+    unknown = subprocess.run([*cli, "status", "999999"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no job 999999" in unknown.stderr
