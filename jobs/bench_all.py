@@ -39,6 +39,8 @@ class Config:
 
     out: Path = Path("BENCHMARKS.md")
     """Where the report goes."""
+    gpu: bool = False
+    """On a machine with accelerators: also train VideoViT-B at bf16 (16x224x224) on every GPU and report MFU."""
 
 
 def machine() -> str:
@@ -59,7 +61,14 @@ def main(cfg: Config) -> None:
         "absolute times move with the machine.",
         "",
     ]
-    for title, module, args in BENCHMARKS:
+    benchmarks = list(BENCHMARKS)
+    if cfg.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_all: --gpu needs a CUDA device, and torch sees none")
+        gpus = str(torch.cuda.device_count())
+        benchmarks.append(("GPU: VideoViT-B at bf16, ZeRO 0-3, MFU", "clipforge.jobs.bench_train",
+                           ["--model", "videovit-base", "--frames", "16", "--size", "224", "--batch", "8", "--ranks", gpus]))  # fmt: skip
+    for title, module, args in benchmarks:
         print(f"==> {title}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)

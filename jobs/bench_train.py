@@ -114,18 +114,22 @@ def run_ddp(cfg: Config) -> None:
     from clipforge.models.builders import architecture
 
     env = setup_distributed()
-    torch.distributed.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
-    model = torch.nn.parallel.DistributedDataParallel(arch.build(seed=0))
+    model = torch.nn.parallel.DistributedDataParallel(arch.build(seed=0).to(device), device_ids=[env.local_rank] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8)
-    labels = torch.randint(0, 10, (cfg.batch,))
+    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 10, (cfg.batch,), device=device)
     times = []
     for step in range(cfg.steps + 1):
         start = time.perf_counter()
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(clips), labels).backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         if step:
             times.append(time.perf_counter() - start)
     held = {"parameters": sum(p.untyped_storage().nbytes() for p in model.parameters()),
@@ -151,7 +155,7 @@ def run_stage(cfg: Config) -> None:
     from clipforge.models.parallel import ParallelConfig, deepspeed_config
 
     env = setup_distributed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
     torch.manual_seed(0)
     model = arch.build(seed=0)
@@ -161,8 +165,8 @@ def run_stage(cfg: Config) -> None:
         {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, None, 1.0, False,
     )  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8)
-    labels = torch.randint(0, 10, (cfg.batch,))
+    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=engine.device)
+    labels = torch.randint(0, 10, (cfg.batch,), device=engine.device)
     counted = None
     times = []
     for step in range(cfg.steps + 1):
@@ -172,6 +176,8 @@ def run_stage(cfg: Config) -> None:
         if step == 1:
             counted = held_bytes(engine, cfg.stage)
         engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         if step:
             times.append(time.perf_counter() - start)
     counted["optimizer"] = held_bytes(engine, cfg.stage)["optimizer"]  # Adam's moments exist after the first step
