@@ -34,7 +34,7 @@ class Progress:
         self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
         self.interactive = sys.stderr.isatty()
         self.interval = interval_s if interval_s is not None else float(os.environ.get("CLIPFORGE_LOG_INTERVAL", 30))
-        self.n, self.figures = 0, {}
+        self.n, self.figures, self.logged = 0, {}, -1
         self.started = self.last = time.monotonic()
         self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True) if enabled and self.interactive else None
         self.log = logging.getLogger("clipforge.progress")
@@ -56,11 +56,12 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.close()
-        else:
+        elif self.logged != self.n:
             self._log_line()
 
     def _log_line(self) -> None:
         self.last = now = time.monotonic()
+        self.logged = self.n
         rate = self.n / max(now - self.started, 1e-9)
         eta = (self.total - self.n) / rate if rate > 0 and self.total else 0.0
         extra = "".join(f", {k}={v}" for k, v in self.figures.items())
