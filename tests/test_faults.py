@@ -5,7 +5,6 @@ Each test says what it injects and checks that nothing is lost.
 
 from __future__ import annotations
 
-import json
 import shutil
 import string
 import subprocess
