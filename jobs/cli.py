@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     jobs = sub.add_parser("jobs", help="run job modules and follow submitted jobs")
     jsub = jobs.add_subparsers(metavar="ACTION")
-    run = jsub.add_parser("run", help=f"run a job module: {', '.join(JOB_MODULES)} (its own --help lists options)")
+    run = jsub.add_parser("run", add_help=False, help=f"run a job module: {', '.join(JOB_MODULES)} (its own --help lists options)")
     run.add_argument("name", choices=sorted(JOB_MODULES))
     run.set_defaults(func=_jobs_run, passthrough=True)
     lst = jsub.add_parser("list", help="jobs submitted through clipforge, newest first")
