@@ -90,11 +90,9 @@ def test_bf16_trains(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
 
 def test_gradient_accumulation_of_two_equals_a_doubled_batch(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
     train(mpiexec, tiny_store, tmp_path / "accum", "--grad-accum", "2", steps=6)
-    doubled = [*TINY]
-    train(mpiexec, tiny_store, tmp_path / "double", "--batch-per-rank", "8", steps=6)
+    train(mpiexec, tiny_store, tmp_path / "double", "--batch-per-rank", "8", steps=6)  # overrides TINY's batch of 4
     a, b = losses(tmp_path / "accum"), losses(tmp_path / "double")
     assert all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
-    assert doubled == TINY
 
 
 def test_a_pipeline_of_two_stages_trains_like_one_process(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
