@@ -3,6 +3,7 @@
 #   ./dev.sh demo   set everything up, then run the main job on the embedded default
 #   ./dev.sh test   set everything up, then run the whole test suite
 #   ./dev.sh setup  only set up
+#   ./dev.sh lint   set up, then only check style (ruff); `test` runs this first
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -61,16 +62,23 @@ setup() {
   setup_python
 }
 
+lint() {
+  say "ruff check and ruff format --check"
+  "$VENV/bin/ruff" check --quiet . && "$VENV/bin/ruff" format --check --quiet . \
+    || { say "style check failed: run '$VENV/bin/ruff format . && $VENV/bin/ruff check --fix .'"; exit 1; }
+}
+
 case "${1:-}" in
   setup) setup ;;
+  lint) setup; lint ;;
   demo) setup; shift; exec "$VENV/bin/clipforge" demo "$@" ;;
   test)
-    setup; setup_test_data; shift
+    setup; lint; setup_test_data; shift
     set +e
     "$VENV/bin/python" -m pytest "$@"
     rc=$?
     # pytest's 5 means no test ran: that is not a pass.
     [ $rc -eq 5 ] && { say "no tests ran"; exit 1; }
     exit $rc ;;
-  *) echo "usage: ./dev.sh setup|demo|test [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh setup|lint|demo|test [pytest args]" >&2; exit 2 ;;
 esac

@@ -23,6 +23,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .errors import UserError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path(os.environ.get("CLIPFORGE_CLUSTER_DIR", "/tmp/clipforge-slurm"))
@@ -32,7 +34,7 @@ ACCOUNTING_PACKAGES = ["slurmdbd", "mariadb-server"]
 DAEMONS = ["munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd"]
 
 
-class ClusterError(RuntimeError):
+class ClusterError(UserError):
     """The local cluster could not be brought up; the message says what to look at."""
 
 
@@ -133,11 +135,22 @@ class LocalCluster:
         # munged refuses a pid or log file in a directory that others can write to,
         # so both live next to its socket, owned by munge.
         subprocess.run(
-            ["runuser", "-u", "munge", "--", "munged", f"--socket={self.munge_socket}",
-             f"--pid-file={sock_dir / 'munged.pid'}", f"--log-file={sock_dir / 'munged.log'}",
-             f"--seed-file={sock_dir / 'munged.seed'}", "--force"],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={sock_dir / 'munged.pid'}",
+                f"--log-file={sock_dir / 'munged.log'}",
+                f"--seed-file={sock_dir / 'munged.seed'}",
+                "--force",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         self._wait_for(lambda: (sock_dir / "munged.pid").exists(), "munged", timeout=10)
         shutil.copy(sock_dir / "munged.pid", self.pid_file("munged"))
 
@@ -149,17 +162,33 @@ class LocalCluster:
         self.mysql_socket.parent.mkdir(parents=True, exist_ok=True)
         if first:
             subprocess.run(
-                ["mariadb-install-db", "--user=root", f"--datadir={data}",
-                 "--auth-root-authentication-method=socket", "--skip-test-db"],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
+                [
+                    "mariadb-install-db",
+                    "--user=root",
+                    f"--datadir={data}",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
         with open(self.log_file("mariadbd"), "ab") as out:
             proc = subprocess.Popen(
-                ["mariadbd", "--user=root", f"--datadir={data}", f"--socket={self.mysql_socket}",
-                 f"--port={self.mysql_port}", "--bind-address=127.0.0.1",
-                 f"--pid-file={self.root / 'mysql' / 'mariadbd.pid'}", "--skip-name-resolve"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [
+                    "mariadbd",
+                    "--user=root",
+                    f"--datadir={data}",
+                    f"--socket={self.mysql_socket}",
+                    f"--port={self.mysql_port}",
+                    "--bind-address=127.0.0.1",
+                    f"--pid-file={self.root / 'mysql' / 'mariadbd.pid'}",
+                    "--skip-name-resolve",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.pid_file("mariadbd").write_text(str(proc.pid))
         self._wait_for(lambda: self._mysql("SELECT 1", check=False) == 0, "mariadbd", timeout=60)
         password_file = self.root / "etc" / "dbpass"
@@ -283,7 +312,11 @@ class LocalCluster:
             ["sinfo", "-h", "-o", "%T"], env=dict(os.environ, **self.env), capture_output=True, text=True
         )
         states = result.stdout.split()
-        return result.returncode == 0 and bool(states) and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
+        return (
+            result.returncode == 0
+            and bool(states)
+            and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states)
+        )
 
     def _mysql(self, sql: str, check: bool = True) -> int:
         result = subprocess.run(

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping, MutableMapping
 
 from submitit.slurm.slurm import _parse_node_list
+
+from .errors import UserError
 
 PORT_BASE = 20000
 PORT_SPAN = 40000
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError):
     """The launcher's environment is inconsistent; the message says what to change."""
 
 
@@ -67,6 +70,19 @@ def master_port(job_id: str | int, step_id: str | int = 0) -> int:
     return PORT_BASE + (int(job_id) * 8 + int(step_id)) % PORT_SPAN
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for a rendezvous started by hand (tests, benchmarks, ``mpiexec``)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def local_world(world_size: int, port: int | None = None) -> list[DistEnv]:
+    """The ranks of ``world_size`` processes on this host, numbered as torchrun would number them."""
+    port = port or free_port()
+    return [DistEnv(r, world_size, r, "127.0.0.1", port, source="torchrun") for r in range(world_size)]
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """``node[01-03],gpu7`` -> ``['node01', 'node02', 'node03', 'gpu7']`` (submitit's parser)."""
     return _parse_node_list(nodelist)
@@ -78,9 +94,15 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     restarts = int(env.get("SLURM_RESTART_COUNT", 0) or 0)
     if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
         return DistEnv(
-            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]), env.get("SLURM_JOB_ID"), restarts, "torchrun",
-        )  # fmt: skip
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env["LOCAL_RANK"]),
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            env.get("SLURM_JOB_ID"),
+            restarts,
+            "torchrun",
+        )
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
         job_id = env["SLURM_JOB_ID"]

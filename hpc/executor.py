@@ -8,7 +8,6 @@ same place, whatever the executor.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any, Literal
 import submitit
 from submitit.helpers import clean_env
 
+from .files import write_json
 from .profile import ClusterProfile
 from .resources import ResourceError, Resources
 
@@ -50,7 +50,9 @@ def make_executor(
         executor.clipforge_kind = kind  # type: ignore[attr-defined]
         return executor
     if resources.nodes != 1:
-        raise ResourceError(f"nodes: the {kind} executor runs on this machine only; ask for 1 node, not {resources.nodes}")
+        raise ResourceError(
+            f"nodes: the {kind} executor runs on this machine only; ask for 1 node, not {resources.nodes}"
+        )
     if kind == "local":
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=profile.max_requeues)
         executor.update_parameters(
@@ -61,7 +63,9 @@ def make_executor(
         )
     elif kind == "debug":
         if resources.ntasks_per_node != 1:
-            raise ResourceError("ntasks_per_node: the debug executor runs one task in this process; use 1 or the local executor")
+            raise ResourceError(
+                "ntasks_per_node: the debug executor runs one task in this process; use 1 or the local executor"
+            )
         executor = submitit.DebugExecutor(folder=folder)
     else:
         raise ResourceError(f"executor: {kind!r} is not one of slurm, local, debug")
@@ -82,7 +86,11 @@ def submit(executor: submitit.Executor, fn: Callable[..., Any], *args: Any, name
 
 
 def submit_array(
-    executor: submitit.Executor, fn: Callable[..., Any], arguments: Sequence[Any], name: str = "", parallelism: int = 256
+    executor: submitit.Executor,
+    fn: Callable[..., Any],
+    arguments: Sequence[Any],
+    name: str = "",
+    parallelism: int = 256,
 ) -> list[submitit.Job]:
     """Submit one job array (a single ``sbatch --array``), one task per argument."""
     if getattr(executor, "clipforge_kind", "") == "slurm":
@@ -116,4 +124,4 @@ def _record(job: submitit.Job, executor: submitit.Executor, name: str) -> None:
         "argv": sys.argv,
         "cwd": os.getcwd(),
     }
-    (folder / RECORD).write_text(json.dumps(record, indent=1))
+    write_json(folder / RECORD, record)

@@ -1,8 +1,13 @@
 """Job scripts that run the way the cluster works.
 
-A file under ``jobs/`` is a Python module with ``#SBATCH`` lines at the top,
-a ``parse(argv) -> config`` and a ``main(config)``. :func:`run_script` decides
-what running it means from where it was started:
+A file under ``jobs/`` is a Python module with ``#SBATCH`` lines at the top
+and a :class:`JobSpec` named ``SPEC``: its module name, ``parse(argv) ->
+config``, ``main(config)``, an optional ``check(config)`` that refuses a
+config before anything is submitted, and whether its ranks are MPI ranks.
+The config has a ``launch`` section (:class:`Launch`) and a ``resources``
+section whose defaults are the ``#SBATCH`` lines (a test keeps the two
+equal). :func:`run_script` decides what running a job means from where it
+was started:
 
 =====================  ================================================================
 started by             what happens
@@ -27,6 +32,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
 import submitit
@@ -49,13 +55,54 @@ class Launch:
     """How a job script is launched (its resources are a separate section)."""
 
     cluster: str | None = None
-    """Cluster profile name or YAML path; default ``$CLIPFORGE_CLUSTER`` or ``local``."""
+    """Cluster profile name or YAML path; default $CLIPFORGE_CLUSTER or local."""
     executor: Literal["slurm", "local", "debug"] | None = None
     """Override the profile's executor: slurm, local (processes here) or debug (this process)."""
     wait: bool | None = None
     """Wait for the job and print its result; default: wait unless submitting to Slurm."""
     max_requeues: int | None = None
     """Requeues allowed after timeout or preemption; default: the profile's."""
+
+    def profile(self) -> ClusterProfile:
+        return load_profile(self.cluster)
+
+    def requeues(self, profile: ClusterProfile | None = None) -> int:
+        """How many times the job may be requeued: ``--max-requeues``, else the profile's bound."""
+        if self.max_requeues is not None:
+            return self.max_requeues
+        return (profile or self.profile()).max_requeues
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What every job module declares, as ``SPEC``: the one contract the launcher and the CLI use."""
+
+    module: str
+    """The importable module name (``clipforge.jobs.train``): a node imports it again by this name."""
+    parse: Callable[[list[str]], Any]
+    """Command line to config; the config has ``launch`` and ``resources`` sections."""
+    main: Callable[[Any], Any]
+    """Run one rank (or the whole job, for a single task)."""
+    check: Callable[[Any], None] | None = None
+    """Refuse a config that cannot work, before it is submitted or waits in the queue."""
+    uses_mpi: bool = False
+    """Its ranks are MPI ranks (the local executor starts them with mpiexec)."""
+
+    @property
+    def name(self) -> str:
+        return self.module.rsplit(".", 1)[-1]
+
+    def default_resources(self) -> Resources:
+        """The resources of the job started with no options: what its ``#SBATCH`` lines must say."""
+        return self.parse([]).resources
+
+
+def job_spec(module: str) -> JobSpec:
+    """The :class:`JobSpec` of job module ``module``."""
+    spec = getattr(importlib.import_module(module), "SPEC", None)
+    if not isinstance(spec, JobSpec):
+        raise LaunchError(f"{module} is not a job module: it declares no SPEC = JobSpec(...)")
+    return spec
 
 
 def context(environ: dict[str, str] | None = None) -> Context:
@@ -91,8 +138,8 @@ class ScriptJob(RequeueableJob):
             if code:
                 raise RuntimeError(f"{self.module} under mpiexec -n {self.mpi_tasks} exited with {code}")
             return code
-        mod = importlib.import_module(self.module)
-        return mod.main(mod.parse(self.argv))
+        spec = job_spec(self.module)
+        return spec.main(spec.parse(self.argv))
 
     def __repr__(self) -> str:
         return f"ScriptJob({self.module} {' '.join(self.argv)})"
@@ -101,39 +148,38 @@ class ScriptJob(RequeueableJob):
 def run_script(module: str, argv: list[str] | None = None) -> Any:
     """Run job module ``module`` with command line ``argv`` the way its context asks."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    mod = importlib.import_module(module)
-    cfg = mod.parse(argv)
+    spec = job_spec(module)
+    cfg = spec.parse(argv)
     where = context()
     if where == "rank":
-        return mod.main(cfg)
+        return spec.main(cfg)
     setup_logging()
-    if hasattr(mod, "check"):
-        mod.check(cfg)  # fail here, in one line, not in a job that waited in the queue
+    if spec.check is not None:
+        spec.check(cfg)  # fail here, in one line, not in a job that waited in the queue
     launch: Launch = cfg.launch
-    profile = load_profile(launch.cluster)
+    profile = launch.profile()
     if where == "batch":
         return _srun(module, argv, profile, int(os.environ.get("SLURM_NTASKS", 1)), replace=True)
     if where == "allocation":
         ntasks = int(os.environ.get("SLURM_NTASKS", 1))
         if ntasks == 1:
             log.info("inside allocation %s with one task: running in the foreground", os.environ["SLURM_JOB_ID"])
-            return mod.main(cfg)
+            return spec.main(cfg)
         return _srun(module, argv, profile, ntasks, replace=False)
-    return submit_script(module, argv, cfg.resources, launch, profile)
+    return submit_script(spec, argv, cfg.resources, launch, profile)
 
 
-def submit_script(module: str, argv: list[str], resources: Resources, launch: Launch, profile: ClusterProfile) -> Any:
+def submit_script(spec: JobSpec, argv: list[str], resources: Resources, launch: Launch, profile: ClusterProfile) -> Any:
     """Submit the job module through submitit and, if asked, wait for its results."""
     kind = launch.executor or profile.executor
-    bound = profile.max_requeues if launch.max_requeues is None else launch.max_requeues
-    job_object = ScriptJob(module, argv, bound)
-    if kind == "local" and getattr(importlib.import_module(module), "USES_MPI", False) and resources.ntasks > 1:
+    job_object = ScriptJob(spec.module, argv, launch.requeues(profile))
+    if kind == "local" and spec.uses_mpi and resources.ntasks > 1:
         # Local tasks are not MPI ranks: one task starts the ranks with mpiexec.
         job_object.mpi_tasks = resources.ntasks
         resources = dataclasses.replace(resources, ntasks_per_node=1)
     executor = make_executor(resources, profile, kind)
-    job = submit(executor, job_object, name=module.rsplit(".", 1)[-1])
-    log.info("submitted %s as job %s (%s executor); logs: %s", module, job.job_id, kind, job.paths.stdout)
+    job = submit(executor, job_object, name=spec.name)
+    log.info("submitted %s as job %s (%s executor); logs: %s", spec.module, job.job_id, kind, job.paths.stdout)
     wait = launch.wait if launch.wait is not None else kind != "slurm"
     if not wait:
         print(f"job {job.job_id} submitted; follow it with: clipforge jobs logs {job.job_id}")

@@ -30,7 +30,9 @@ class Progress:
     endless line; off a terminal we log a line per interval instead.
     """
 
-    def __init__(self, total: int, desc: str, unit: str = "it", enabled: bool = True, interval_s: float | None = None) -> None:
+    def __init__(
+        self, total: int, desc: str, unit: str = "it", enabled: bool = True, interval_s: float | None = None
+    ) -> None:
         self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
         self.interactive = sys.stderr.isatty()
         self.interval = interval_s if interval_s is not None else float(os.environ.get("CLIPFORGE_LOG_INTERVAL", 30))
@@ -66,4 +68,15 @@ class Progress:
         eta = (self.total - self.n) / rate if rate > 0 and self.total else 0.0
         extra = "".join(f", {k}={v}" for k, v in self.figures.items())
         percent = 100 * self.n / self.total if self.total else 100.0
-        self.log.info("%s: %d/%d %s (%.0f%%), %.1f %s/s, ETA %.0f s%s", self.desc, self.n, self.total, self.unit, percent, rate, self.unit, eta, extra)
+        self.log.info(
+            "%s: %d/%d %s (%.0f%%), %.1f %s/s, ETA %.0f s%s",
+            self.desc,
+            self.n,
+            self.total,
+            self.unit,
+            percent,
+            rate,
+            self.unit,
+            eta,
+            extra,
+        )

@@ -16,13 +16,14 @@ from typing import Literal
 
 import yaml
 
+from .errors import UserError
 from .resources import ResourceError, Resources, parse_time
 
 SHIPPED = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "local"
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A cluster profile that cannot be found or read; the message names the file."""
 
 
@@ -117,7 +118,9 @@ def _from_dict(data: dict, path: Path) -> ClusterProfile:
     allowed = {f.name for f in dataclasses.fields(ClusterProfile)}
     unknown = set(data) - allowed
     if unknown:
-        raise ProfileError(f"{path}: unknown setting(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+        raise ProfileError(
+            f"{path}: unknown setting(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}"
+        )
     data = dict(data)
     data.setdefault("name", path.stem)
     if data.get("executor", "slurm") not in ("slurm", "local", "debug"):

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import os
+import pickle
 import subprocess
 import time
 from pathlib import Path
 
 from .cluster import process_alive
+from .errors import UserError
 from .executor import RECORD, jobs_root
+from .files import write_json
 
 POLL_INTERVAL_S = 30.0
 _CACHE = ".sacct-cache.json"
+
+
+class UnknownJob(UserError, LookupError):
+    """A job id that no submission through clipforge left behind."""
 
 
 @dataclasses.dataclass
@@ -63,7 +69,7 @@ def find_job(job_id: str, root: Path | None = None) -> JobRecord:
     for record in list_jobs(root):
         if record.job_id == job_id:
             return record
-    raise LookupError(f"no job {job_id} under {root or jobs_root()}; `clipforge jobs list` shows the known ones")
+    raise UnknownJob(f"no job {job_id} under {root or jobs_root()}; `clipforge jobs list` shows the known ones")
 
 
 def slurm_states(job_ids: list[str], root: Path, now: float | None = None) -> dict[str, str]:
@@ -78,17 +84,17 @@ def slurm_states(job_ids: list[str], root: Path, now: float | None = None) -> di
         pass
     result = subprocess.run(
         ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
-        capture_output=True, text=True, env=os.environ,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
     states: dict[str, str] = {}
     if result.returncode == 0:
         for line in result.stdout.splitlines():
             jid, _, state = line.partition("|")
             states[jid] = state.split()[0] if state else "UNKNOWN"
     root.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"at": now, "states": states}))
-    tmp.replace(cache)
+    write_json(cache, {"at": now, "states": states})
     return states
 
 

@@ -58,7 +58,9 @@ class RequeueableJob(Checkpointable):
         for save in _savers:
             save()
         if restarts >= self.max_requeues:
-            log.warning("state saved; not requeuing: the job has been requeued %d times (bound %d)", restarts, self.max_requeues)
+            log.warning(
+                "state saved; not requeuing: the job has been requeued %d times (bound %d)", restarts, self.max_requeues
+            )
             return None
         log.warning("state saved; requeuing (restart %d of at most %d)", restarts + 1, self.max_requeues)
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
@@ -86,7 +88,9 @@ class Preemption:
         self.flag = True
 
     def _terminate(self, signum, frame) -> None:
-        log.warning("received SIGTERM (requeued or cancelled): stopping now; the run resumes from its last complete checkpoint")
+        log.warning(
+            "received SIGTERM (requeued or cancelled): stopping now; the run resumes from its last complete checkpoint"
+        )
         logging.shutdown()
         os._exit(143)
 
@@ -110,6 +114,11 @@ class Preemption:
         if env.source == "submitit-local":
             raise SystemExit(LOCAL_REQUEUE_RETURN_CODE)  # submitit's local controller restarts the tasks
         if env.rank == 0:
-            log.warning("checkpoint saved; requeuing job %s (restart %d of at most %d)", env.job_id, env.restart_count + 1, self.max_requeues)
+            log.warning(
+                "checkpoint saved; requeuing job %s (restart %d of at most %d)",
+                env.job_id,
+                env.restart_count + 1,
+                self.max_requeues,
+            )
             subprocess.run(["scontrol", "requeue", env.job_id], check=False)
         raise SystemExit(0)

@@ -12,11 +12,13 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from .profile import ClusterProfile
 
 
-class ResourceError(ValueError):
+class ResourceError(UserError):
     """A resource request the scheduler would refuse; the message names the field."""
 
 
@@ -44,9 +46,7 @@ def parse_time(text: str) -> int:
         if match:
             seconds = sum(int(v) * _SECONDS[u] for v, u in zip(match.groups(), units))
             return max(1, -(-seconds // 60))
-    raise ResourceError(
-        f"time: {text!r} is not a Slurm time; use minutes ('30'), 'HH:MM:SS' or 'D-HH:MM:SS'"
-    )
+    raise ResourceError(f"time: {text!r} is not a Slurm time; use minutes ('30'), 'HH:MM:SS' or 'D-HH:MM:SS'")
 
 
 def parse_memory_mb(text: str) -> int:
@@ -60,7 +60,7 @@ def parse_memory_mb(text: str) -> int:
 
 @dataclasses.dataclass
 class Resources:
-    """Scheduler resources of one job (the flags of ``sbatch``)."""
+    """Scheduler resources of one job (the flags of `sbatch`)."""
 
     nodes: int = 1
     """Number of nodes."""
@@ -69,7 +69,7 @@ class Resources:
     gpus_per_node: int = 0
     """GPUs per node; 0 for CPU jobs."""
     gpu_type: str | None = None
-    """GPU model for the gres form (``gpu:a100:4``); empty to take any GPU."""
+    """GPU model for the gres form (`gpu:a100:4`); empty to take any GPU."""
     cpus_per_task: int = 1
     """CPU cores per task (data loader workers live here)."""
     mem: str | None = None
@@ -83,7 +83,7 @@ class Resources:
     qos: str | None = None
     """Quality of service."""
     constraint: str | None = None
-    """Node features the job needs (``--constraint``)."""
+    """Node features the job needs (`--constraint`)."""
     exclusive: bool = False
     """Ask for whole nodes."""
     signal_delay_s: int = 120

@@ -1,12 +1,12 @@
 """``clipforge``: one command line over the rooms.
 
-    clipforge cluster up|down|status|env     a single-node Slurm on this host
-    clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
-    clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
-    clipforge jobs sbatch-lines              #SBATCH lines for given resources
-    clipforge registry init|push|list|show|diff|pull|promote|review|gc
-                                             model versions as Git LFS branches
-    clipforge demo                           the main job on the embedded default
+clipforge cluster up|down|status|env     a single-node Slurm on this host
+clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
+clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
+clipforge jobs sbatch-lines              #SBATCH lines for given resources
+clipforge registry init|push|list|show|diff|pull|promote|review|gc
+                                         model versions as Git LFS branches
+clipforge demo                           the main job on the embedded default
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from clipforge.hpc import records
 from clipforge.hpc.cluster import LocalCluster
-from clipforge.hpc.launch import run_script
+from clipforge.hpc.launch import job_spec, run_script
 from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clipforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="clipforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(metavar="COMMAND")
 
     cluster = sub.add_parser("cluster", help="start, stop or inspect the single-node Slurm cluster on this host")
@@ -53,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
 
     jobs = sub.add_parser("jobs", help="run job modules and follow submitted jobs")
     jsub = jobs.add_subparsers(metavar="ACTION")
-    run = jsub.add_parser("run", add_help=False, help=f"run a job module: {', '.join(JOB_MODULES)} (its own --help lists options)")
+    run = jsub.add_parser(
+        "run", add_help=False, help=f"run a job module: {', '.join(JOB_MODULES)} (its own --help lists options)"
+    )
     run.add_argument("name", choices=sorted(JOB_MODULES))
     run.set_defaults(func=_jobs_run, passthrough=True)
     lst = jsub.add_parser("list", help="jobs submitted through clipforge, newest first")
@@ -70,31 +74,82 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     lines = jsub.add_parser("sbatch-lines", help="#SBATCH lines for resources given as job options (--nodes 2 ...)")
     lines.add_argument("--cluster", default=None, help="profile whose defaults fill the gaps")
+    lines.add_argument("--job", choices=sorted(JOB_MODULES), help="start from this job's default resources")
     lines.set_defaults(func=_sbatch_lines, passthrough=True)
 
     reg = sub.add_parser("registry", help="model versions in a Git LFS registry (--remote or $CLIPFORGE_REGISTRY)")
-    reg.add_argument("--remote", default=os.environ.get("CLIPFORGE_REGISTRY"), help="registry remote: a bare repository path or a URL")
-    reg.add_argument("--lfs-url", default=os.environ.get("CLIPFORGE_REGISTRY_LFS_URL"), help="LFS server URL when it is not the git remote's")
+    reg.add_argument(
+        "--remote",
+        default=os.environ.get("CLIPFORGE_REGISTRY"),
+        help="registry remote: a bare repository path or a URL",
+    )
+    reg.add_argument(
+        "--lfs-url",
+        default=os.environ.get("CLIPFORGE_REGISTRY_LFS_URL"),
+        help="LFS server URL when it is not the git remote's",
+    )
     rsub = reg.add_subparsers(metavar="VERB")
+    ref_help = "a version: NAME@vN, or NAME@ALIAS (an alias tag such as production)"
     for verb, text, arguments in (
         ("init", "create a registry (a bare repository at --remote, and its main branch)", []),
-        ("push", "push a finished run as the next version of NAME", [("run_dir",), ("--name",)]),
-        ("list", "models, versions and aliases", [("name", "?")]),
-        ("show", "a version's card (NAME@vN or NAME@ALIAS)", [("ref",)]),
-        ("diff", "metric, config and size differences of two versions", [("a",), ("b",)]),
-        ("pull", "fetch one version's files, verified, into --to", [("ref",), ("--to",)]),
-        ("promote", "point an alias tag at a version (compare-and-swap)", [("ref",), ("--alias",), ("--expect",)]),
-        ("review", "the pull-request body for a version", [("ref",), ("--against",), ("--open",)]),
+        (
+            "push",
+            "push a finished run as the next version of NAME",
+            [
+                ("run_dir", {"help": "a finished run directory (it has final weights and a run record)"}),
+                ("--name", {"required": True, "help": "model name; versions of it are numbered v1, v2, ..."}),
+            ],
+        ),
+        ("list", "models, versions and aliases", [("name", {"nargs": "?", "help": "only this model"})]),
+        ("show", "a version's card (NAME@vN or NAME@ALIAS)", [("ref", {"help": ref_help})]),
+        (
+            "diff",
+            "metric, config and size differences of two versions",
+            [
+                ("a", {"help": "the base version (NAME@vN or NAME@ALIAS)"}),
+                ("b", {"help": "the version compared with it"}),
+            ],
+        ),
+        (
+            "pull",
+            "fetch one version's files, verified, into --to",
+            [
+                ("ref", {"help": ref_help}),
+                ("--to", {"required": True, "help": "directory to put model.safetensors, model.yaml and MODEL.md in"}),
+            ],
+        ),
+        (
+            "promote",
+            "point an alias tag at a version (compare-and-swap)",
+            [
+                ("ref", {"help": "the version to promote (NAME@vN)"}),
+                ("--alias", {"required": True, "help": "alias to point at it, e.g. production or staging"}),
+                (
+                    "--expect",
+                    {
+                        "help": "the version the alias must point at now (vN, or none for a new alias); "
+                        "default: whatever it points at when read, so a concurrent promote is refused"
+                    },
+                ),
+            ],
+        ),
+        (
+            "review",
+            "the pull-request body for a version",
+            [
+                ("ref", {"help": ref_help}),
+                (
+                    "--against",
+                    {"default": "production", "help": "the version or alias to compare with (default: production)"},
+                ),
+                ("--open", {"action": "store_true", "help": "open the pull request with gh or glab"}),
+            ],
+        ),
         ("gc", "delete LFS objects no version refers to (bare remotes)", []),
     ):
-        p = rsub.add_parser(verb, help=text)
-        for arg in arguments:
-            if arg[0] == "--open":
-                p.add_argument("--open", action="store_true", help="open the pull request with gh or glab")
-            elif arg[0].startswith("--"):
-                p.add_argument(arg[0], required=arg[0] in ("--name", "--to", "--alias"), default="production" if arg[0] == "--against" else None)
-            else:
-                p.add_argument(arg[0], nargs=arg[1] if len(arg) > 1 else None)
+        p = rsub.add_parser(verb, help=text, description=text)
+        for flag, options in arguments:
+            p.add_argument(flag, **options)
         p.set_defaults(func=_registry, verb=verb)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
@@ -134,19 +189,19 @@ def _jobs_list(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _jobs_status(args: argparse.Namespace, rest: list[str]) -> int:
-    r = _find(args.job_id)
+    r = records.find_job(args.job_id)
     print(json.dumps({"job_id": r.job_id, "state": r.state, "name": r.name, "folder": str(r.folder)}, indent=1))
     return 0
 
 
 def _jobs_logs(args: argparse.Namespace, rest: list[str]) -> int:
-    r = _find(args.job_id)
+    r = records.find_job(args.job_id)
     seen: dict = {}
     while True:
         for path in r.logs:
             text = path.read_text(errors="replace")
-            if text[seen.get(path, 0):]:
-                print(text[seen.get(path, 0):], end="")
+            if text[seen.get(path, 0) :]:
+                print(text[seen.get(path, 0) :], end="")
             seen[path] = len(text)
         if not args.follow or records.find_job(args.job_id).state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN"):
             return 0
@@ -154,64 +209,57 @@ def _jobs_logs(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _jobs_cancel(args: argparse.Namespace, rest: list[str]) -> int:
-    records.cancel(_find(args.job_id))
+    records.cancel(records.find_job(args.job_id))
     print(f"cancelled {args.job_id}")
     return 0
 
 
-def _find(job_id: str) -> records.JobRecord:
-    try:
-        return records.find_job(job_id)
-    except LookupError as exc:
-        raise config.ConfigError(str(exc)) from None
-
-
 def _sbatch_lines(args: argparse.Namespace, rest: list[str]) -> int:
-    resources = config.parse(Resources, rest)
+    if args.job:
+        resources = job_spec(JOB_MODULES[args.job]).parse(rest).resources
+    else:
+        resources = config.parse(Resources, rest)
     print("\n".join(load_profile(args.cluster).apply(resources).sbatch_lines()))
     return 0
 
 
 def _registry(args: argparse.Namespace, rest: list[str]) -> int:
-    from clipforge.registry.repo import Ref, Registry, RegistryError
+    from clipforge.registry.repo import Ref, Registry
 
     if not args.remote:
         raise config.ConfigError("no registry: pass --remote PATH_OR_URL or set CLIPFORGE_REGISTRY")
-    try:
-        if args.verb == "init":
-            Registry.init(args.remote, args.lfs_url)
-            print(f"registry created at {args.remote}")
-            return 0
-        reg = Registry(args.remote, args.lfs_url)
-        if args.verb == "push":
-            ref = reg.push(Path(args.run_dir), args.name)
-            print(f"pushed {ref} (branch {ref.branch}); review it with: clipforge registry review {ref}")
-        elif args.verb == "list":
-            aliases = reg.aliases(args.name)
-            for name, versions in reg.versions(args.name).items():
-                tags = {v: a for a, v in aliases.get(name, {}).items()}
-                print(f"{name}: " + " ".join(f"v{v}" + (f" ({tags[v]})" if v in tags else "") for v in versions))
-        elif args.verb == "show":
-            print(reg.card(Ref.parse(args.ref)))
-        elif args.verb == "diff":
-            print(json.dumps(reg.diff(Ref.parse(args.a), Ref.parse(args.b)), indent=1, default=str))
-        elif args.verb == "pull":
-            fetched = reg.pull(Ref.parse(args.ref), Path(args.to))
-            print(f"pulled {args.ref} into {args.to} ({len(fetched)} LFS object(s) downloaded, sha256 verified)")
-        elif args.verb == "promote":
-            expect = "current" if args.expect is None else (None if args.expect == "none" else int(args.expect.lstrip("v")))
-            ref = reg.promote(Ref.parse(args.ref), args.alias, expect=expect)
-            print(f"{ref.name}@{args.alias} -> v{ref.version}")
-        elif args.verb == "review":
-            text = reg.review(Ref.parse(args.ref), args.against)
-            print(text)
-            if args.open:
-                return _open_pull_request(Ref.parse(args.ref), text)
-        elif args.verb == "gc":
-            removed = reg.gc()
-            print(f"removed {len(removed)} orphaned LFS object(s)")
-    except RegistryError as exc:
-        raise config.ConfigError(str(exc)) from None
+    if args.verb == "init":
+        Registry.init(args.remote, args.lfs_url)
+        print(f"registry created at {args.remote}")
+        return 0
+    reg = Registry(args.remote, args.lfs_url)
+    if args.verb == "push":
+        ref = reg.push(Path(args.run_dir), args.name)
+        print(f"pushed {ref} (branch {ref.branch}); review it with: clipforge registry review {ref}")
+    elif args.verb == "list":
+        aliases = reg.aliases(args.name)
+        for name, versions in reg.versions(args.name).items():
+            tags = {v: a for a, v in aliases.get(name, {}).items()}
+            print(f"{name}: " + " ".join(f"v{v}" + (f" ({tags[v]})" if v in tags else "") for v in versions))
+    elif args.verb == "show":
+        print(reg.card(Ref.parse(args.ref)))
+    elif args.verb == "diff":
+        print(json.dumps(reg.diff(Ref.parse(args.a), Ref.parse(args.b)), indent=1, default=str))
+    elif args.verb == "pull":
+        fetched = reg.pull(Ref.parse(args.ref), Path(args.to))
+        print(f"pulled {args.ref} into {args.to} ({len(fetched)} LFS object(s) downloaded, sha256 verified)")
+    elif args.verb == "promote":
+        expect = "current" if args.expect is None else (None if args.expect == "none" else int(args.expect.lstrip("v")))
+        ref = reg.promote(Ref.parse(args.ref), args.alias, expect=expect)
+        print(f"{ref.name}@{args.alias} -> v{ref.version}")
+    elif args.verb == "review":
+        text = reg.review(Ref.parse(args.ref), args.against)
+        print(text)
+        if args.open:
+            return _open_pull_request(Ref.parse(args.ref), text)
+    elif args.verb == "gc":
+        removed = reg.gc()
+        print(f"removed {len(removed)} orphaned LFS object(s)")
     return 0
 
 
@@ -219,7 +267,11 @@ def _open_pull_request(ref, body: str) -> int:
     import shutil
     import subprocess
 
-    for tool, argv in (("gh", ["gh", "pr", "create", "--title", str(ref), "--body", body]), ("glab", ["glab", "mr", "create", "--title", str(ref), "--description", body])):
+    tools = (
+        ("gh", ["gh", "pr", "create", "--title", str(ref), "--body", body]),
+        ("glab", ["glab", "mr", "create", "--title", str(ref), "--description", body]),
+    )
+    for tool, argv in tools:
         if shutil.which(tool):
             return subprocess.run(argv, check=False).returncode
     print("neither gh nor glab is installed: paste the text above into a new pull request", file=sys.stderr)

@@ -17,20 +17,13 @@ from typing import Any, TypeVar
 import tyro
 import yaml
 
-from clipforge.hpc.cluster import ClusterError
-from clipforge.hpc.distenv import LaunchError
-from clipforge.hpc.profile import ProfileError
-from clipforge.hpc.resources import ResourceError
+from clipforge.hpc.errors import UserError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or value the job cannot use; the message names it and says what to change."""
-
-
-# Errors a user can cause: shown as one line, never a traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, ResourceError, ProfileError, LaunchError, ClusterError)
 
 
 def parse(cls: type[T], argv: list[str] | None = None) -> T:
@@ -40,7 +33,20 @@ def parse(cls: type[T], argv: list[str] | None = None) -> T:
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         path, argv = _pop_config(argv)
         default = from_dict(cls, load_yaml(path), where=str(path))
-    return tyro.cli(cls, args=argv, default=default)
+    return tyro.cli(cls, args=argv, default=default, description=_description(cls))
+
+
+CONFIG_HELP = (
+    "--config FILE.yaml  start from the settings in this YAML file (its keys are the option names); flags override it"
+)
+
+
+def _description(cls: type) -> str:
+    """The job's own description, then the one option tyro does not see."""
+    doc = (cls.__doc__ or "").strip()
+    if doc.startswith(f"{cls.__name__}("):  # a dataclass without a docstring gets its signature as one
+        doc = ""
+    return f"{doc}\n\n{CONFIG_HELP}".strip()
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -93,12 +99,12 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def guarded(main: Callable[[], Any]) -> Callable[[], int]:
-    """Wrap a command's entry point so a user's mistake prints one line and exits 2."""
+    """Wrap a command's entry point so a user's mistake (any :class:`UserError`) prints one line and exits 2."""
 
     def run() -> int:
         try:
             result = main()
-        except USER_ERRORS as exc:
+        except UserError as exc:
             print(f"clipforge: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -9,15 +9,15 @@ Prints clip- and video-level top-1/top-5 and writes ``eval-<split>.json`` into t
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from clipforge.hpc.logs import setup_logging
 from clipforge.jobs import config
-from clipforge.models.trainer import TrainError, evaluate_model, load_trained
+from clipforge.models.builders import load_trained
+from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
-from clipforge.preprocess.store import StoreError
+from clipforge.rundir import RunDir
 
 
 @dataclasses.dataclass
@@ -40,18 +40,19 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def main(cfg: Config) -> dict:
     setup_logging()
-    try:
-        model, record = load_trained(cfg.run)
-        dataset = ClipDataset(cfg.store or Path(record["store"]), cfg.split)
-    except (TrainError, StoreError) as exc:
-        raise config.ConfigError(str(exc)) from None
-    if dataset.classes != record["classes"]:
-        raise config.ConfigError(f"the store's classes {dataset.classes} are not the run's {record['classes']}")
-    metrics = evaluate_model(model, dataset, cfg.batch, record["crop"])
-    out = (cfg.run if (cfg.run / "final").is_dir() else cfg.run.parent) / f"eval-{cfg.split}.json"
-    out.write_text(json.dumps(metrics, indent=1))
-    print(f"{cfg.split}: {metrics['clips']} clips of {metrics['videos']} videos; clip top-1 {metrics['clip_top1']:.3f} "
-          f"top-5 {metrics['clip_top5']:.3f}; video top-1 {metrics['video_top1']:.3f} top-5 {metrics['video_top5']:.3f} ({out})")  # fmt: skip
+    run = RunDir.find(cfg.run)
+    model, record = load_trained(run.root)
+    dataset = ClipDataset(cfg.store or Path(record.store), cfg.split)
+    if dataset.classes != record.classes:
+        raise config.ConfigError(f"the store's classes {dataset.classes} are not the run's {record.classes}")
+    metrics = evaluate_model(model, dataset, cfg.batch, record.crop)
+    out = run.write_evaluation(cfg.split, metrics)
+    m = metrics
+    print(
+        f"{cfg.split}: {m['clips']} clips of {m['videos']} videos; clip top-1 {m['clip_top1']:.3f} top-5 "
+        f"{m['clip_top5']:.3f}; "
+        f"video top-1 {m['video_top1']:.3f} top-5 {m['video_top5']:.3f} ({out})"
+    )
     return metrics
 
 

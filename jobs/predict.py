@@ -11,18 +11,20 @@ decoded gets one line saying why, and the others are still classified.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from clipforge.hpc.files import write_json
 from clipforge.hpc.logs import setup_logging
 from clipforge.jobs import config
+from clipforge.models.builders import load_trained
+from clipforge.models.clips import center_crop
 from clipforge.models.evaluation import softmax
-from clipforge.models.trainer import TrainError, load_trained
 from clipforge.preprocess.decode import ClipParams, VideoError, decode_clips
+from clipforge.rundir import RunRecord
 
 
 @dataclasses.dataclass
@@ -52,10 +54,7 @@ def parse(argv: list[str] | None = None) -> Config:
 @torch.no_grad()
 def main(cfg: Config) -> list[dict]:
     setup_logging()
-    try:
-        model, record = load_trained(cfg.run)
-    except TrainError as exc:
-        raise config.ConfigError(str(exc)) from None
+    model, record = load_trained(cfg.run)
     params = record_clip_params(record)
     results = []
     for path in cfg.videos:
@@ -64,23 +63,21 @@ def main(cfg: Config) -> list[dict]:
         except (VideoError, OSError) as exc:
             print(f"{path}: cannot classify: {exc}", file=sys.stderr)
             continue
-        if record["crop"]:
-            c, (h, w) = record["crop"], clips.shape[2:4]
-            clips = clips[:, :, (h - c) // 2 : (h - c) // 2 + c, (w - c) // 2 : (w - c) // 2 + c]
-        probs = softmax(model(torch.from_numpy(np.ascontiguousarray(clips))).float().numpy()).mean(axis=0)
+        batch = center_crop(torch.from_numpy(np.ascontiguousarray(clips)), record.crop)
+        probs = softmax(model(batch).float().numpy()).mean(axis=0)
         best = np.argsort(-probs)[: cfg.top]
-        top = [{"class": record["classes"][i], "probability": float(probs[i])} for i in best]
+        top = [{"class": record.classes[i], "probability": float(probs[i])} for i in best]
         results.append({"video": str(path), "top": top})
         print(f"{path}: " + ", ".join(f"{t['class']} {t['probability']:.3f}" for t in top))
     if cfg.json_out is not None:
-        cfg.json_out.write_text(json.dumps(results, indent=1))
+        write_json(cfg.json_out, results)
     return results
 
 
-def record_clip_params(record: dict) -> ClipParams:
+def record_clip_params(record: RunRecord) -> ClipParams:
     """The clip parameters of the store the model trained on (recorded in its data fingerprint)."""
     fields = {f.name for f in dataclasses.fields(ClipParams)}
-    return ClipParams(**{k: v for k, v in record["data_fingerprint"]["params"].items() if k in fields})
+    return ClipParams(**{k: v for k, v in record.data_fingerprint["params"].items() if k in fields})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
+# fmt: off
 #SBATCH --job-name=clipforge-preprocess
-#SBATCH --ntasks=2
-#SBATCH --time=02:00:00
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=120
 #SBATCH --signal=USR2@120
+# fmt: on
 """Pack a video corpus into an HDF5 clip store, one MPI rank per Slurm task.
 
-    python jobs/preprocess.py --videos /lustre/k400 --out /lustre/scratch/k400 --cluster mycluster --nodes 4 --ntasks-per-node 32
+    python jobs/preprocess.py --videos /lustre/k400 --out /lustre/scratch/k400 \\
+        --cluster mycluster --nodes 4 --ntasks-per-node 32
     sbatch jobs/preprocess.py --videos /lustre/k400 --out /lustre/scratch/k400
     mpiexec -n 4 python jobs/preprocess.py --videos ./videos --out ./store
 
@@ -23,15 +28,14 @@ from typing import Annotated
 import tyro
 
 from clipforge.hpc.distenv import check_mpi_world, dist_env
-from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.preprocess.corpus import SplitRatios
 from clipforge.preprocess.decode import ClipParams
-from clipforge.preprocess.pack import PackError, PackOptions, pack_corpus
+from clipforge.preprocess.pack import PackOptions, pack_corpus
 
-USES_MPI = True
 log = logging.getLogger("clipforge.preprocess")
 
 
@@ -61,12 +65,11 @@ def main(cfg: Config) -> dict | None:
 
     setup_logging(dist_env().rank)
     check_mpi_world(MPI.COMM_WORLD.Get_size())
-    try:
-        summary = pack_corpus(cfg.videos, cfg.out, cfg.clip, cfg.pack, cfg.split)
-    except PackError as exc:
-        raise config.ConfigError(str(exc)) from None
+    summary = pack_corpus(cfg.videos, cfg.out, cfg.clip, cfg.pack, cfg.split)
     return None if summary is None else dataclasses.asdict(summary)
 
 
+SPEC = JobSpec("clipforge.jobs.preprocess", parse, main, uses_mpi=True)
+
 if __name__ == "__main__":
-    sys.exit(config.guarded(lambda: run_script("clipforge.jobs.preprocess"))())
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

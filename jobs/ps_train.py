@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
+# fmt: off
 #SBATCH --job-name=clipforge-ps
-#SBATCH --ntasks=3
-#SBATCH --time=04:00:00
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=3
+#SBATCH --cpus-per-task=1
+#SBATCH --time=240
+#SBATCH --signal=USR2@120
+# fmt: on
 """Asynchronous parameter-server training (async, SSP or sync) or federated averaging, over torch.distributed.rpc.
 
-    python jobs/ps_train.py --servers 2 --trainers 16 --store /lustre/scratch/k400 --server.mode ssp --cluster mycluster
+    python jobs/ps_train.py --servers 2 --trainers 16 --data.store /lustre/scratch/k400 \\
+        --server.mode ssp --cluster mycluster
     python jobs/ps_train.py --servers 1 --trainers 4 --algorithm fedavg --trainer.partition by_class --fed.rounds 20
-    sbatch jobs/ps_train.py --servers 1 --store ...      # the first --servers tasks serve, the rest train
+    sbatch jobs/ps_train.py --servers 1 --data.store ...      # the first --servers tasks serve, the rest train
 
 The run directory has the same layout as jobs/train.py's, so evaluate.py and the registry take it as they are.
 """
@@ -18,15 +24,15 @@ import sys
 from typing import Annotated
 
 import tyro
-import yaml
 
 from clipforge.hpc.distenv import dist_env
-from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.ps import run as ps
-from clipforge.ps.run import PSError, PSSettings
+from clipforge.ps.run import PSSettings
+from clipforge.rundir import RunDir
 
 
 @dataclasses.dataclass
@@ -45,30 +51,27 @@ def parse(argv: list[str] | None = None) -> Config:
     cfg = config.parse(Config, argv)
     tasks = cfg.servers + cfg.trainers
     if tasks % cfg.resources.nodes:
-        raise config.ConfigError(f"{cfg.servers} servers + {cfg.trainers} trainers do not spread evenly over {cfg.resources.nodes} nodes")
+        raise config.ConfigError(
+            f"{cfg.servers} servers + {cfg.trainers} trainers do not spread evenly over {cfg.resources.nodes} nodes"
+        )
     cfg.resources.ntasks_per_node = tasks // cfg.resources.nodes
     return cfg
 
 
 def check(cfg: Config) -> None:
     """Refuse a job that cannot work before anything is submitted."""
-    try:
-        ps.check(cfg, cfg.servers + cfg.trainers)
-    except (PSError, ValueError) as exc:
-        raise config.ConfigError(str(exc)) from None
+    ps.check(cfg, cfg.servers + cfg.trainers)
 
 
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank)
     if env.rank == 0:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
-    try:
-        return ps.run(cfg, env)
-    except PSError as exc:
-        raise config.ConfigError(str(exc)) from None
+        RunDir(cfg.run_dir).write_config(config.to_dict(cfg))
+    return ps.run(cfg, env)
 
+
+SPEC = JobSpec("clipforge.jobs.ps_train", parse, main, check=check)
 
 if __name__ == "__main__":
-    sys.exit(config.guarded(lambda: run_script("clipforge.jobs.ps_train"))())
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
+# fmt: off
 #SBATCH --job-name=clipforge-selftest
-#SBATCH --ntasks=2
-#SBATCH --time=00:10:00
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
 #SBATCH --signal=USR2@60
+# fmt: on
 """Cluster self-test: is this cluster ready for clipforge?
 
 Every rank derives its distributed environment through the ``hpc`` contract,
@@ -32,7 +36,8 @@ import torch.distributed as dist
 import tyro
 
 from clipforge.hpc.distenv import setup_distributed
-from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.files import write_json
+from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.requeue import on_requeue
 from clipforge.hpc.resources import Resources
@@ -53,7 +58,9 @@ class Config:
     """Where the step counter is kept so that a requeued job resumes; needed when steps > 0."""
     launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
     resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
-        default_factory=lambda: Resources(ntasks_per_node=2, time="00:10:00", job_name="clipforge-selftest")
+        default_factory=lambda: Resources(
+            ntasks_per_node=2, time="00:10:00", signal_delay_s=60, job_name="clipforge-selftest"
+        )
     )
 
 
@@ -71,7 +78,14 @@ def main(cfg: Config) -> dict:
     try:
         value = torch.tensor([env.rank + 1.0])
         dist.all_reduce(value)
-        log.info("rank %d of %d on %s: all_reduce gave %g (source %s)", env.rank, env.world_size, socket.gethostname(), value.item(), env.source)
+        log.info(
+            "rank %d of %d on %s: all_reduce gave %g (source %s)",
+            env.rank,
+            env.world_size,
+            socket.gethostname(),
+            value.item(),
+            env.source,
+        )
         start = step = _load_step(cfg.state_dir)
         if start:
             log.info("resuming at step %d after %d requeue(s)", start, env.restart_count)
@@ -113,11 +127,10 @@ def _save_step(state_dir: Path | None, step: int, restarts: int) -> None:
     if state_dir is None:
         return
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / "state.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "restart_count": restarts}))
-    tmp.replace(state_dir / "state.json")  # atomic: a kill never leaves half a state
+    write_json(state_dir / "state.json", {"step": step, "restart_count": restarts})  # a kill never leaves half a state
 
+
+SPEC = JobSpec("clipforge.jobs.selftest", parse, main)
 
 if __name__ == "__main__":
-    result = config.guarded(lambda: run_script("clipforge.jobs.selftest"))()
-    sys.exit(result)
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

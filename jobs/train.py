@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
+# fmt: off
 #SBATCH --job-name=clipforge-train
-#SBATCH --ntasks=2
-#SBATCH --time=04:00:00
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=240
 #SBATCH --signal=USR2@120
+# fmt: on
 """Train a video classifier with DeepSpeed (ZeRO 0-3, pipeline stages) on the clip store.
 
-    python jobs/train.py --config jobs/configs/videovit_tiny.yaml --cluster mycluster --nodes 8 --gpus-per-node 4 --ntasks-per-node 4
-    sbatch jobs/train.py --config jobs/configs/videovit_tiny.yaml
+    python jobs/train.py --config jobs/configs/demo_tiny.yaml \\
+        --cluster mycluster --nodes 8 --gpus-per-node 4 --ntasks-per-node 4
+    sbatch jobs/train.py --config jobs/configs/demo_tiny.yaml
     salloc -n 2; python jobs/train.py --config ...        # in the foreground, under srun
 
 A run resumes from its last complete checkpoint in --run-dir whenever it starts again.
@@ -20,15 +25,16 @@ import sys
 from typing import Annotated
 
 import tyro
-import yaml
 
 from clipforge.hpc.distenv import dist_env
-from clipforge.hpc.launch import Launch, run_script
+from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import setup_logging
-from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.trainer import CheckpointError, TrainError, Trainer, TrainSettings, check_settings
+from clipforge.models.checkpointing import CheckpointError
+from clipforge.models.settings import TrainSettings, check_settings
+from clipforge.models.trainer import Trainer
+from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.train")
 
@@ -49,30 +55,24 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
-    try:
-        check_settings(cfg, cfg.resources.ntasks)
-    except TrainError as exc:
-        raise config.ConfigError(str(exc)) from None
+    check_settings(cfg, cfg.resources.ntasks)
 
 
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank)
-    try:
-        bound = cfg.launch.max_requeues if cfg.launch.max_requeues is not None else load_profile(cfg.launch.cluster).max_requeues
-        trainer = Trainer(cfg, max_requeues=bound)
-    except TrainError as exc:
-        raise config.ConfigError(str(exc)) from None
+    trainer = Trainer(cfg, max_requeues=cfg.launch.requeues())
     if env.rank == 0:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+        RunDir(cfg.run_dir).write_config(config.to_dict(cfg))
     try:
         result = trainer.train()
     except CheckpointError as exc:
-        logging.getLogger("clipforge.train").error("%s", exc)
+        log.error("%s", exc)
         raise SystemExit(1) from None
     return result if env.rank == 0 else None
 
 
+SPEC = JobSpec("clipforge.jobs.train", parse, main, check=check)
+
 if __name__ == "__main__":
-    sys.exit(config.guarded(lambda: run_script("clipforge.jobs.train"))())
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from clipforge.hpc.errors import UserError
+from clipforge.rundir import RunDir, RunRecord
+
 from . import videovit
 
 # Kinetics statistics, as torchvision's video models were trained with.
@@ -23,7 +26,7 @@ KINETICS_MEAN = (0.43216, 0.394666, 0.37645)
 KINETICS_STD = (0.22803, 0.22145, 0.216989)
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model name, size or input that cannot work; the message says what to choose instead."""
 
 
@@ -47,7 +50,10 @@ class InputSpec:
         if frames % self.frames_multiple:
             return f"needs a multiple of {self.frames_multiple} frames, the clips have {frames}"
         if height % self.size_multiple or width % self.size_multiple or min(height, width) < self.min_size:
-            return f"needs frames at least {self.min_size} px and a multiple of {self.size_multiple}, the clips are {height}x{width}"
+            return (
+                f"needs frames at least {self.min_size} px and a multiple of {self.size_multiple}, "
+                f"the clips are {height}x{width}"
+            )
         return None
 
 
@@ -107,7 +113,9 @@ def _torchvision_part(name: str, num_classes: int, part: str) -> nn.Module:
     return model if part == "" else getattr(model, part)
 
 
-def _torchvision(name: str, num_classes: int, parts: list[str], spec: InputSpec, tail: list[tuple[Callable, tuple]] = ()) -> Architecture:
+def _torchvision(
+    name: str, num_classes: int, parts: list[str], spec: InputSpec, tail: list[tuple[Callable, tuple]] = ()
+) -> Architecture:
     layers: list[tuple[Callable[..., nn.Module], tuple]] = [(Normalize, ())]
     for part in parts:
         layers.append((_torchvision_part, (name, num_classes, part)))
@@ -122,13 +130,25 @@ TORCHVISION: dict[str, Callable[[int], Architecture]] = {
     "r3d_18": lambda k: _torchvision("r3d_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
     "mc3_18": lambda k: _torchvision("mc3_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
     "r2plus1d_18": lambda k: _torchvision("r2plus1d_18", k, _RESNET_PARTS, InputSpec(min_size=32)),
-    "s3d": lambda k: _torchvision("s3d", k, ["features", "avgpool", "classifier"], InputSpec(frames_multiple=8, min_size=224), [(MeanOver, ((2, 3, 4),))]),
+    "s3d": lambda k: _torchvision(
+        "s3d",
+        k,
+        ["features", "avgpool", "classifier"],
+        InputSpec(frames_multiple=8, min_size=224),
+        [(MeanOver, ((2, 3, 4),))],
+    ),
     # MViT reshapes tokens to a fixed grid: 112 px fails inside with a reshape error, so refuse it up front.
     "mvit_v1_b": lambda k: _torchvision("mvit_v1_b", k, [""], InputSpec(frames=16, size=224)),
     "mvit_v2_s": lambda k: _torchvision("mvit_v2_s", k, [""], InputSpec(frames=16, size=224)),
-    "swin3d_t": lambda k: _torchvision("swin3d_t", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
-    "swin3d_s": lambda k: _torchvision("swin3d_s", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
-    "swin3d_b": lambda k: _torchvision("swin3d_b", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)),
+    "swin3d_t": lambda k: _torchvision(
+        "swin3d_t", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)
+    ),
+    "swin3d_s": lambda k: _torchvision(
+        "swin3d_s", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)
+    ),
+    "swin3d_b": lambda k: _torchvision(
+        "swin3d_b", k, [""], InputSpec(frames_multiple=2, size_multiple=32, min_size=64)
+    ),
 }
 
 
@@ -137,7 +157,15 @@ def videovit_config(name: str, num_classes: int, frames: int, image_size: int, *
     if size not in videovit.SIZES:
         raise ModelError(f"model {name!r}: size {size!r} is not one of {', '.join(videovit.SIZES)}")
     depth, width, heads, mlp = videovit.SIZES[size]
-    base = dict(num_classes=num_classes, frames=frames, image_size=image_size, depth=depth, width=width, heads=heads, mlp_dim=mlp)
+    base = dict(
+        num_classes=num_classes,
+        frames=frames,
+        image_size=image_size,
+        depth=depth,
+        width=width,
+        heads=heads,
+        mlp_dim=mlp,
+    )
     base.update({k: v for k, v in overrides.items() if v is not None})
     if "tubelet" in base:
         base["tubelet"] = tuple(base["tubelet"])
@@ -150,10 +178,14 @@ def architecture(name: str, num_classes: int, frames: int = 16, image_size: int 
         cfg = videovit_config(name, num_classes, frames, image_size, **overrides)
         t, p, q = cfg.tubelet
         spec = InputSpec(frames_multiple=t, size_multiple=max(p, q), min_size=max(p, q))
-        return Architecture(name, videovit.layer_specs(cfg), spec, splittable=True, flops=lambda: videovit.flops_per_clip(cfg))
+        return Architecture(
+            name, videovit.layer_specs(cfg), spec, splittable=True, flops=lambda: videovit.flops_per_clip(cfg)
+        )
     if name in TORCHVISION:
         if overrides:
-            raise ModelError(f"model {name!r} takes no architecture options ({', '.join(overrides)}); they apply to videovit-*")
+            raise ModelError(
+                f"model {name!r} takes no architecture options ({', '.join(overrides)}); they apply to videovit-*"
+            )
         return TORCHVISION[name](num_classes)
     raise ModelError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
 
@@ -162,7 +194,9 @@ def model_names() -> list[str]:
     return [f"videovit-{s}" for s in videovit.SIZES] + list(TORCHVISION)
 
 
-def create_model(name: str, num_classes: int, frames: int = 16, image_size: int = 224, weights: Path | None = None, **overrides) -> nn.Sequential:
+def create_model(
+    name: str, num_classes: int, frames: int = 16, image_size: int = 224, weights: Path | None = None, **overrides
+) -> nn.Sequential:
     """Build the whole model in this process; ``weights`` is a local safetensors file (never a download)."""
     model = architecture(name, num_classes, frames, image_size, **overrides).build()
     if weights is not None:
@@ -178,12 +212,30 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
         state = load_file(str(path))
     elif path.suffix in (".pt", ".pth"):
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        import pickle
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise ModelError(
+                f"{path}: holds objects other than tensors, which are never unpickled; save it as .safetensors"
+            ) from None
     else:
         raise ModelError(f"{path}: weights must be a .safetensors file (or .pt, loaded without unpickling code)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelError(f"{path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def load_trained(run: Path) -> tuple[nn.Sequential, RunRecord]:
+    """The model a finished run ended with (a run directory, its final/ folder or its weights) and its record."""
+    found = RunDir.find(run)
+    record = found.record()
+    model = create_model(
+        record.model, len(record.classes), record.input.frames, record.model_size, **record.model_overrides()
+    )
+    load_weights(model, found.weights)
+    return model.eval(), record
 
 
 def count_flops(model: nn.Module, frames: int, image_size: int) -> int:
@@ -206,5 +258,13 @@ def describe(name: str, num_classes: int = 400, frames: int = 16, image_size: in
     else:
         model = arch.build()
         params = sum(p.numel() for p in model.parameters())
-        flops = count_flops(model, frames, image_size) if arch.input.problem(frames, image_size, image_size) is None else 0
-    return {"model": name, "parameters": params, "gflops_per_clip": flops / 1e9, "input": dataclasses.asdict(arch.input), "pipeline": arch.splittable}
+        flops = (
+            count_flops(model, frames, image_size) if arch.input.problem(frames, image_size, image_size) is None else 0
+        )
+    return {
+        "model": name,
+        "parameters": params,
+        "gflops_per_clip": flops / 1e9,
+        "input": dataclasses.asdict(arch.input),
+        "pipeline": arch.splittable,
+    }

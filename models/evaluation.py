@@ -1,4 +1,4 @@
-"""Accuracy the way video papers report it, and the plots a person reads.
+"""Accuracy the way video papers report it, of a plain model or of every rank of a running engine.
 
 Clip level scores every clip; video level averages the softmax of a video's
 clips first (as VideoMAE and SlowFast report).
@@ -6,11 +6,16 @@ clips first (as VideoMAE and SlowFast report).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clipforge.preprocess.reader import ClipDataset
+
+from .clips import center_crop
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -27,11 +32,15 @@ def topk(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
     return float((best == labels[:, None]).any(axis=1).mean())
 
 
-def evaluate_logits(logits: np.ndarray, labels: np.ndarray, video_ids: np.ndarray, classes: list[str]) -> dict[str, Any]:
+def evaluate_logits(
+    logits: np.ndarray, labels: np.ndarray, video_ids: np.ndarray, classes: list[str]
+) -> dict[str, Any]:
     """Clip and video top-1/top-5, per-class accuracy (video level) and the confusion matrix."""
     probs = softmax(logits.astype(np.float64))
     videos = np.unique(video_ids)
-    video_probs = np.stack([probs[video_ids == v].mean(axis=0) for v in videos]) if len(videos) else np.zeros((0, len(classes)))
+    video_probs = (
+        np.stack([probs[video_ids == v].mean(axis=0) for v in videos]) if len(videos) else np.zeros((0, len(classes)))
+    )
     video_labels = np.array([labels[video_ids == v][0] for v in videos], dtype=np.int64)
     predicted = video_probs.argmax(axis=1) if len(videos) else np.zeros(0, np.int64)
     confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
@@ -52,46 +61,58 @@ def evaluate_logits(logits: np.ndarray, labels: np.ndarray, video_ids: np.ndarra
     }
 
 
-def plot_run(run_dir: Path, classes: list[str]) -> list[Path]:
-    """Loss and accuracy curves from metrics.jsonl and the last confusion matrix, as PNG files."""
-    import matplotlib
+def split_metrics(logits: np.ndarray, labels: np.ndarray, dataset: ClipDataset, order: np.ndarray) -> dict[str, Any]:
+    """Everything a run reports of a split: accuracy at both levels, the loss, the split's name."""
+    metrics = evaluate_logits(logits, labels, dataset.video_ids[order], dataset.classes)
+    loss = F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels)) if len(labels) else torch.tensor(0.0)
+    metrics["loss"] = float(loss.item())
+    metrics["split"] = dataset.split
+    return metrics
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("kind") == "train" and "loss" in r]
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    out = run_dir / "plots"
-    out.mkdir(exist_ok=True)
-    paths = []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
-    if evals:
-        ax1.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label=f"{evals[-1]['split']} loss")
-        ax2.plot([r["step"] for r in evals], [r["clip_top1"] for r in evals], "o-", label="clip top-1")
-        ax2.plot([r["step"] for r in evals], [r["video_top1"] for r in evals], "s-", label="video top-1")
-        ax2.set_ylim(0, 1)
-    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend()
-    ax2.set_xlabel("step"), ax2.set_ylabel("accuracy"), ax2.legend()
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=100)
-    plt.close(fig)
-    paths.append(out / "curves.png")
-    if evals:
-        confusion = np.array(evals[-1]["confusion"])
-        fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(classes), 1 + 0.6 * len(classes)))
-        ax.imshow(confusion, cmap="Blues")
-        ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-        ax.set_yticks(range(len(classes)), classes)
-        ax.set_xlabel("predicted"), ax.set_ylabel("true")
-        for i in range(len(classes)):
-            for j in range(len(classes)):
-                ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8)
-        ax.set_title(f"{evals[-1]['split']} videos, step {evals[-1]['step']}")
-        fig.tight_layout()
-        fig.savefig(out / "confusion.png", dpi=100)
-        plt.close(fig)
-        paths.append(out / "confusion.png")
-    return paths
+@torch.no_grad()
+def score(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    dataset: ClipDataset,
+    positions: Sequence[int],
+    batch: int,
+    crop: int | None,
+    device: torch.device | str = "cpu",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Logits and labels of the clips at ``positions`` of ``dataset``, ``batch`` at a time, centre-cropped."""
+    logits, labels = [], []
+    for start in range(0, len(positions), batch):
+        items = [dataset[i] for i in positions[start : start + batch]]
+        clips = center_crop(torch.stack([c for c, _ in items]).to(device), crop)
+        logits.append(forward(clips.contiguous()).float().cpu())
+        labels.extend(y for _, y in items)
+    scores = torch.cat(logits).numpy() if logits else np.zeros((0, len(dataset.classes)))
+    return scores, np.array(labels, np.int64)
+
+
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, dataset: ClipDataset, batch: int, crop: int | None) -> dict[str, Any]:
+    """Accuracy of a plain (non-distributed) model on a split, in one process."""
+    model.eval()
+    order = np.arange(len(dataset))
+    logits, labels = score(model, dataset, order, batch, crop)
+    return split_metrics(logits, labels, dataset, order)
+
+
+@torch.no_grad()
+def evaluate_on_ranks(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    dataset: ClipDataset,
+    batch: int,
+    crop: int | None,
+    rank: int,
+    world_size: int,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Accuracy on a split, every rank scoring its share of the clips; every rank gets the metrics."""
+    mine = np.arange(rank, len(dataset), world_size)
+    logits, labels = score(forward, dataset, mine, batch, crop, device)
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, (logits, labels, mine))
+    all_logits, all_labels, order = (np.concatenate([g[k] for g in gathered]) for k in range(3))
+    return split_metrics(all_logits, all_labels, dataset, order)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from clipforge.hpc.errors import UserError
+
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
-class ParallelError(ValueError):
+class ParallelError(UserError):
     """A parallel layout that cannot work; the message says what to change."""
 
 
@@ -40,15 +42,29 @@ class ParallelConfig:
         if self.pipeline_stages > 1:
             if self.zero_stage >= 2:
                 # DeepSpeed asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
-                raise ParallelError(f"zero_stage {self.zero_stage} cannot be combined with pipeline_stages {self.pipeline_stages}; use ZeRO 0 or 1 with a pipeline")
+                raise ParallelError(
+                    f"zero_stage {self.zero_stage} cannot be combined with pipeline_stages {self.pipeline_stages}; use "
+                    "ZeRO 0 or 1 with a pipeline"
+                )
             if world_size % self.pipeline_stages:
-                raise ParallelError(f"pipeline_stages {self.pipeline_stages} does not divide the {world_size} ranks; choose a divisor of {world_size}")
+                raise ParallelError(
+                    f"pipeline_stages {self.pipeline_stages} does not divide the {world_size} ranks; choose a divisor "
+                    f"of {world_size}"
+                )
             if not splittable:
-                raise ParallelError(f"model {model} cannot be cut into pipeline stages; train it with pipeline_stages 1 and ZeRO instead")
+                raise ParallelError(
+                    f"model {model} cannot be cut into pipeline stages; train it with pipeline_stages 1 and ZeRO "
+                    "instead"
+                )
         if self.offload_optimizer and self.zero_stage == 0:
             raise ParallelError("offload_optimizer needs zero_stage 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ParallelError("offload_params needs zero_stage 3")
+
+    @property
+    def layout(self) -> Literal["plain", "pipeline"]:
+        """How the engine holds the model: one module per rank, or stages of a pipeline."""
+        return "pipeline" if self.pipeline_stages > 1 else "plain"
 
     def data_parallel(self, world_size: int) -> int:
         return world_size // self.pipeline_stages

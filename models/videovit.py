@@ -244,6 +244,7 @@ def parameters_estimate(cfg: VideoViTConfig) -> int:
     block = 4 * d * d + 4 * d + 2 * d * m + m + d + 4 * d
     if cfg.attention == "divided":
         block += 4 * d * d + 4 * d + 2 * d
-    embed = 3 * t * p * q * d + d + (cfg.tokens * d if cfg.position == "learned" else 0) + (d if cfg.pool == "cls" else 0)
+    embed = (
+        3 * t * p * q * d + d + (cfg.tokens * d if cfg.position == "learned" else 0) + (d if cfg.pool == "cls" else 0)
+    )
     return embed + cfg.depth * block + 2 * d + d * cfg.num_classes + cfg.num_classes
-

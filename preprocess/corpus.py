@@ -17,13 +17,31 @@ from pathlib import Path
 
 import numpy as np
 
+from clipforge.hpc.errors import UserError
+
 VIDEO_EXTENSIONS = frozenset(
-    {".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".flv", ".wmv", ".3gp", ".ogv", ".h264", ".264"}
+    {
+        ".mp4",
+        ".m4v",
+        ".mov",
+        ".avi",
+        ".mkv",
+        ".webm",
+        ".mpg",
+        ".mpeg",
+        ".ts",
+        ".flv",
+        ".wmv",
+        ".3gp",
+        ".ogv",
+        ".h264",
+        ".264",
+    }
 )
 SPLITS = ("train", "val", "test")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus that cannot be scanned as given; the message names the entry and the fix."""
 
 
@@ -112,7 +130,9 @@ def _read_manifest(path: Path) -> tuple[list[tuple[str, str, str | None]], list[
             reader = csv.DictReader(f)
             missing = {"path", "label"} - set(reader.fieldnames or [])
             if missing:
-                raise CorpusError(f"{path}: the header needs columns path,label[,split]; missing {', '.join(sorted(missing))}")
+                raise CorpusError(
+                    f"{path}: the header needs columns path,label[,split]; missing {', '.join(sorted(missing))}"
+                )
             rows = list(reader)
     else:
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -123,7 +143,7 @@ def _read_manifest(path: Path) -> tuple[list[tuple[str, str, str | None]], list[
             except json.JSONDecodeError as exc:
                 raise CorpusError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
             if not isinstance(row, dict) or "path" not in row or "label" not in row:
-                raise CorpusError(f"{path}:{n}: each line needs \"path\" and \"label\"")
+                raise CorpusError(f'{path}:{n}: each line needs "path" and "label"')
             rows.append(row)
     entries = []
     for n, row in enumerate(rows, 1):

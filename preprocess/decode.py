@@ -17,8 +17,14 @@ import av
 import av.video.reformatter
 import numpy as np
 
+from clipforge.hpc.errors import UserError
 
-class VideoError(Exception):
+
+class ClipParamsError(UserError):
+    """Clip parameters that cannot work; the message names the parameter."""
+
+
+class VideoError(UserError):
     """A video that cannot be used; the message is the reason written to errors.jsonl."""
 
 
@@ -52,11 +58,11 @@ class ClipParams:
     def check(self) -> ClipParams:
         for name in ("clip_frames", "frame_stride", "clips_per_video", "height", "width", "decode_threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+                raise ClipParamsError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.target_fps is not None and self.target_fps <= 0:
-            raise ValueError(f"target_fps: must be positive, got {self.target_fps}")
+            raise ClipParamsError(f"target_fps: must be positive, got {self.target_fps}")
         if self.dense_step_s <= 0:
-            raise ValueError(f"dense_step_s: must be positive, got {self.dense_step_s}")
+            raise ClipParamsError(f"dense_step_s: must be positive, got {self.dense_step_s}")
         return self
 
 
@@ -88,7 +94,14 @@ def decode_clips(path: Path, params: ClipParams) -> VideoClips:
     if duration + 1e-6 < span:
         if params.short_videos == "skip":
             empty = np.zeros((0, params.clip_frames, params.height, params.width, 3), np.uint8)
-            return VideoClips(fps, duration, frames, empty, [], status=f"skipped: {duration:.2f} s is shorter than one clip ({span:.2f} s)")
+            return VideoClips(
+                fps,
+                duration,
+                frames,
+                empty,
+                [],
+                status=f"skipped: {duration:.2f} s is shorter than one clip ({span:.2f} s)",
+            )
         starts = [0.0]
     elif params.sampling == "uniform":
         last = duration - span
@@ -132,13 +145,20 @@ class _Source:
         if self.threads > 1:
             self.stream.thread_type = "AUTO"
             self.stream.thread_count = self.threads
-        self.origin = float(self.stream.start_time * self.stream.time_base) if self.stream.start_time is not None else 0.0
+        self.origin = (
+            float(self.stream.start_time * self.stream.time_base) if self.stream.start_time is not None else 0.0
+        )
 
     def position(self, seconds: float | None) -> bool:
         """Go to the keyframe at or before ``seconds`` (None: the start). Returns whether a seek was made."""
         if seconds is not None and seconds > 0:
             try:
-                self.container.seek(int((self.origin + seconds) / self.stream.time_base), stream=self.stream, backward=True, any_frame=False)
+                self.container.seek(
+                    int((self.origin + seconds) / self.stream.time_base),
+                    stream=self.stream,
+                    backward=True,
+                    any_frame=False,
+                )
                 return True
             except (av.error.FFmpegError, OverflowError, ValueError, TypeError):
                 pass  # raw elementary streams cannot seek
@@ -203,7 +223,9 @@ def _frames_at(source: _Source, times: list[float], fps: float, resizer: _Resize
                 if j == len(targets):
                     break
         except av.error.FFmpegError as exc:
-            raise VideoError(f"decoding failed at {targets[j] if j < len(targets) else targets[-1]:.2f} s: {_reason(exc)}") from None
+            raise VideoError(
+                f"decoding failed at {targets[j] if j < len(targets) else targets[-1]:.2f} s: {_reason(exc)}"
+            ) from None
         if overshot:
             seeked = source.position(None)  # decode from the start instead
             continue

@@ -21,12 +21,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from clipforge.hpc.errors import UserError
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
 
-from .corpus import Corpus, CorpusError, SplitRatios, scan
+from .corpus import Corpus, SplitRatios, scan
 from .decode import ClipParams, VideoError, decode_clips
-from .store import Codec, ShardWriter, StoreError, committed_markers, remove_store, write_errors, write_index, write_params
+from .store import (
+    Codec,
+    ShardWriter,
+    StoreError,
+    committed_markers,
+    remove_store,
+    write_errors,
+    write_index,
+    write_params,
+    write_videos,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +76,14 @@ class PackSummary:
 
     def line(self) -> str:
         return (
-            f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} s "
+            f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} "
+            "s "
             f"({self.clips_per_s:.1f} clips/s); {self.failed} failed, {self.skipped} skipped; "
             f"{self.reused_shards} shards kept from an earlier run"
         )
 
 
-class PackError(ValueError):
+class PackError(UserError):
     """Packing cannot start as asked; the message names the input."""
 
 
@@ -80,7 +93,12 @@ def store_params(params: ClipParams, options: PackOptions) -> dict[str, Any]:
 
 
 def pack_corpus(
-    source: Path, out: Path, params: ClipParams, options: PackOptions = PackOptions(), ratios: SplitRatios = SplitRatios(), comm=None
+    source: Path,
+    out: Path,
+    params: ClipParams,
+    options: PackOptions = PackOptions(),
+    ratios: SplitRatios = SplitRatios(),
+    comm=None,
 ) -> PackSummary | None:
     """Pack the videos of ``source`` into a clip store at ``out``; every rank of ``comm`` calls this.
 
@@ -104,7 +122,9 @@ def pack_corpus(
     return _finish(plan, out, time.time() - started)
 
 
-def _plan(source: Path, out: Path, params: ClipParams, options: PackOptions, ratios: SplitRatios) -> dict[str, Any] | Exception:
+def _plan(
+    source: Path, out: Path, params: ClipParams, options: PackOptions, ratios: SplitRatios
+) -> dict[str, Any] | Exception:
     """Rank 0: scan, check the directory, and list what is left to do (longest first)."""
     try:
         params.check()
@@ -114,7 +134,11 @@ def _plan(source: Path, out: Path, params: ClipParams, options: PackOptions, rat
         stripe_directory(out / "shards", count=1)
         existing = out / "videos.json"
         old = json.loads(existing.read_text()) if existing.exists() else None
-        fresh = {"root": str(corpus.root), "classes": corpus.classes, "videos": [dataclasses.asdict(v) for v in corpus.videos]}
+        fresh = {
+            "root": str(corpus.root),
+            "classes": corpus.classes,
+            "videos": [dataclasses.asdict(v) for v in corpus.videos],
+        }
         table = _merge_tables(old, corpus) if options.append and old else fresh
         if old is not None and not options.append and old != fresh:
             if not options.overwrite:
@@ -124,7 +148,7 @@ def _plan(source: Path, out: Path, params: ClipParams, options: PackOptions, rat
                 )
             remove_store(out)
         write_params(out, store_params(params, options), options.overwrite)
-        _write_table(out, table)
+        write_videos(out, table)
         markers = committed_markers(out)
         done = {int(k) for m in markers for k in (*m["videos"], *m["failed"])}
         root = Path(table["root"])
@@ -133,8 +157,12 @@ def _plan(source: Path, out: Path, params: ClipParams, options: PackOptions, rat
         todo.sort(key=lambda i: (-size[i], i))  # longest (by bytes) first
         log.info(
             "%d videos in %d classes; %d already packed in %d shards, %d to do",
-            len(table["videos"]), len(table["classes"]), len(done), len(markers), len(todo),
-        )  # fmt: skip
+            len(table["videos"]),
+            len(table["classes"]),
+            len(done),
+            len(markers),
+            len(todo),
+        )
         for path, reason in corpus.skipped:
             log.warning("not packed: %s: %s", path, reason)
         return {
@@ -144,7 +172,7 @@ def _plan(source: Path, out: Path, params: ClipParams, options: PackOptions, rat
             "skipped": corpus.skipped,
             "reused": len(markers),
         }
-    except (CorpusError, StoreError, ValueError) as exc:
+    except UserError as exc:
         return PackError(str(exc))
 
 
@@ -162,7 +190,13 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
             video_id = todo[i]
             video = table["videos"][video_id]
             if writer is None:
-                writer = ShardWriter(out, counters.fetch_add(NEXT_SHARD), (params.clip_frames, params.height, params.width), options.codec, options.jpeg_quality)
+                writer = ShardWriter(
+                    out,
+                    counters.fetch_add(NEXT_SHARD),
+                    (params.clip_frames, params.height, params.width),
+                    options.codec,
+                    options.jpeg_quality,
+                )
             try:
                 result = decode_clips(root / video["path"], params)
             except VideoError as exc:
@@ -172,7 +206,12 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
                 writer.add_failure(video_id, f"unexpected {type(exc).__name__}: {exc}")
                 counters.fetch_add(FAILED)
             else:
-                info = {"fps": result.fps, "duration": result.duration, "frames": result.frames, "status": result.status}
+                info = {
+                    "fps": result.fps,
+                    "duration": result.duration,
+                    "frames": result.frames,
+                    "status": result.status,
+                }
                 writer.add_video(video_id, classes.index(video["label"]), result.clips, result.starts, info)
                 counters.fetch_add(DONE_CLIPS, len(result.clips))
             counters.fetch_add(DONE_VIDEOS)
@@ -210,15 +249,33 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
     label_of = {c: i for i, c in enumerate(table["classes"])}
     videos = []
     for i, v in enumerate(table["videos"]):
-        info = found.get(i) or {"fps": 0.0, "duration": 0.0, "frames": 0, "clips": 0, "status": f"failed: {failures.get(i, 'not packed')}"}
-        videos.append({
-            "path": v["path"], "label": label_of[v["label"]], "split": v["split"], "status": info["status"],
-            "frames": info["frames"], "fps": info["fps"], "duration": info["duration"], "num_clips": info["clips"],
-        })  # fmt: skip
+        info = found.get(i) or {
+            "fps": 0.0,
+            "duration": 0.0,
+            "frames": 0,
+            "clips": 0,
+            "status": f"failed: {failures.get(i, 'not packed')}",
+        }
+        videos.append(
+            {
+                "path": v["path"],
+                "label": label_of[v["label"]],
+                "split": v["split"],
+                "status": info["status"],
+                "frames": info["frames"],
+                "fps": info["fps"],
+                "duration": info["duration"],
+                "num_clips": info["clips"],
+            }
+        )
     params = json.loads((out / "params.json").read_text())
     write_index(out, videos, table["classes"], params, markers)
     errors = [{"path": table["videos"][i]["path"], "video_id": i, "reason": r} for i, r in sorted(failures.items())]
-    errors += [{"path": v["path"], "video_id": i, "reason": v["status"]} for i, v in enumerate(videos) if v["status"].startswith("skipped")]
+    errors += [
+        {"path": v["path"], "video_id": i, "reason": v["status"]}
+        for i, v in enumerate(videos)
+        if v["status"].startswith("skipped")
+    ]
     errors += [{"path": p, "video_id": None, "reason": f"not taken by the scan: {r}"} for p, r in plan["skipped"]]
     write_errors(out, errors)
     summary = PackSummary(
@@ -273,12 +330,6 @@ def _merge_tables(old: dict[str, Any], corpus: Corpus) -> dict[str, Any]:
     new = [dataclasses.asdict(v) for v in corpus.videos if v.path not in known]
     classes = old["classes"] + sorted({v["label"] for v in new} - set(old["classes"]))
     return {"root": old["root"], "classes": classes, "videos": old["videos"] + new}
-
-
-def _write_table(out: Path, table: dict[str, Any]) -> None:
-    tmp = out / "videos.json.tmp"
-    tmp.write_text(json.dumps(table))
-    tmp.replace(out / "videos.json")
 
 
 def _size(path: Path) -> int:

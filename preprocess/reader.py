@@ -1,8 +1,9 @@
-"""Reading the clip store for training: a Dataset over one split, and cheap augmentation.
+"""Reading the clip store for training: a Dataset over one split.
 
 The dataset returns ``(clip, label)`` with ``clip`` a ``[T, H, W, 3]`` uint8
 tensor: conversion to float, normalisation and layout belong on the device,
-where they are cheap. It has a length, so ``DistributedSampler`` shards it.
+where they are cheap (the crops and flips are in :mod:`clipforge.models.clips`).
+It has a length, so ``DistributedSampler`` shards it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ class ClipDataset(Dataset):
     def __init__(self, store: Path | ClipStore, split: str = "train", transform=None) -> None:
         self.store = store if isinstance(store, ClipStore) else ClipStore.open(Path(store))
         if split not in self.store.splits:
-            raise StoreError(f"split {split!r} is not in {self.store.root}; choose one of {', '.join(self.store.splits)}")
+            raise StoreError(
+                f"split {split!r} is not in {self.store.root}; choose one of {', '.join(self.store.splits)}"
+            )
         self.split = split
         self.positions = self.store.splits[split]
         self.transform = transform
@@ -50,24 +53,3 @@ class ClipDataset(Dataset):
     @property
     def classes(self) -> list[str]:
         return self.store.classes
-
-
-class RandomCropFlip:
-    """Training augmentation on uint8 clips: a random ``size`` crop and a horizontal flip.
-
-    Flipping is off by default: it turns "moves left" into "moves right".
-    """
-
-    def __init__(self, size: tuple[int, int], flip: bool = False, seed: int | None = None) -> None:
-        self.size, self.flip = size, flip
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-
-    def __call__(self, clip: torch.Tensor) -> torch.Tensor:
-        t, h, w, _ = clip.shape
-        ch, cw = self.size
-        top = int(torch.randint(0, h - ch + 1, (1,), generator=self.generator))
-        left = int(torch.randint(0, w - cw + 1, (1,), generator=self.generator))
-        clip = clip[:, top : top + ch, left : left + cw]
-        if self.flip and bool(torch.rand(1, generator=self.generator) < 0.5):
-            clip = clip.flip(2)
-        return clip

@@ -28,6 +28,9 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
+from clipforge.hpc.errors import UserError
+from clipforge.hpc.files import sha256, write_json, write_text
+
 FORMAT_VERSION = 1
 Codec = Literal["raw", "jpeg"]
 # Chunks aligned to a Lustre stripe-friendly boundary (1 MiB) once they are at least 64 KiB.
@@ -36,7 +39,7 @@ ALIGN_INTERVAL = 1024 * 1024
 SPLIT_NAMES = ("train", "val", "test")
 
 
-class StoreError(ValueError):
+class StoreError(UserError):
     """A clip store that cannot be used as it is; the message names the file and what to do."""
 
 
@@ -55,7 +58,9 @@ def _h5(path: Path, mode: str) -> h5py.File:
 class ShardWriter:
     """Appends the clips of whole videos to one shard file; :meth:`commit` makes it part of the store."""
 
-    def __init__(self, store: Path, number: int, clip_shape: tuple[int, int, int], codec: Codec, jpeg_quality: int = 90):
+    def __init__(
+        self, store: Path, number: int, clip_shape: tuple[int, int, int], codec: Codec, jpeg_quality: int = 90
+    ):
         self.store, self.number, self.codec, self.jpeg_quality = Path(store), number, codec, jpeg_quality
         self.final = self.store / "shards" / f"{shard_name(number)}.h5"
         self.tmp = self.final.with_suffix(".h5.tmp")
@@ -72,7 +77,12 @@ class ShardWriter:
             )
         self.columns = {
             name: self.file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
-            for name, dtype in (("labels", np.int64), ("video_ids", np.int64), ("clip_index", np.int32), ("start_times", np.float64))
+            for name, dtype in (
+                ("labels", np.int64),
+                ("video_ids", np.int64),
+                ("clip_index", np.int32),
+                ("start_times", np.float64),
+            )
         }
         self.file.attrs["format_version"] = FORMAT_VERSION
         self.file.attrs["codec"] = codec
@@ -80,15 +90,20 @@ class ShardWriter:
         self.failed: dict[int, str] = {}
         self.num_clips = 0
 
-    def add_video(self, video_id: int, label: int, clips: np.ndarray, starts: list[float], info: dict[str, Any]) -> None:
+    def add_video(
+        self, video_id: int, label: int, clips: np.ndarray, starts: list[float], info: dict[str, Any]
+    ) -> None:
         n = len(clips)
         lo, hi = self.num_clips, self.num_clips + n
         if n:
             self.clips.resize(hi, axis=0)
             self.clips[lo:hi] = clips if self.codec == "raw" else encode_jpeg(clips, self.jpeg_quality)
             for name, values in (
-                ("labels", [label] * n), ("video_ids", [video_id] * n), ("clip_index", range(n)), ("start_times", starts),
-            ):  # fmt: skip
+                ("labels", [label] * n),
+                ("video_ids", [video_id] * n),
+                ("clip_index", range(n)),
+                ("start_times", starts),
+            ):
                 self.columns[name].resize(hi, axis=0)
                 self.columns[name][lo:hi] = np.asarray(list(values))
         self.num_clips = hi
@@ -116,7 +131,7 @@ class ShardWriter:
             "videos": {str(k): v for k, v in self.videos.items()},
             "failed": {str(k): v for k, v in self.failed.items()},
         }
-        _write_json_atomic(self.final.with_suffix(".json"), marker)
+        write_json(self.final.with_suffix(".json"), marker, sort_keys=True)
         return marker
 
     def abandon(self) -> None:
@@ -175,7 +190,7 @@ def write_params(store: Path, params: dict[str, Any], overwrite: bool) -> None:
         if old != params:
             remove_store(store)
     Path(store).mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(path, params)
+    write_json(path, params, sort_keys=True)
 
 
 def remove_store(store: Path) -> None:
@@ -208,14 +223,20 @@ def write_index(
         f.attrs["num_clips"] = total
         f.create_dataset("classes", data=np.array(classes, dtype=object), dtype=h5py.string_dtype())
         table = f.create_group("videos")
-        for key, dtype in (("path", h5py.string_dtype()), ("split", h5py.string_dtype()), ("status", h5py.string_dtype())):
+        for key, dtype in (
+            ("path", h5py.string_dtype()),
+            ("split", h5py.string_dtype()),
+            ("status", h5py.string_dtype()),
+        ):
             table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=object), dtype=dtype)
         for key, dtype in (("label", np.int64), ("frames", np.int64), ("num_clips", np.int64)):
             table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=dtype))
         for key in ("fps", "duration"):
             table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=np.float64))
         shards = f.create_group("shards")
-        shards.create_dataset("name", data=np.array([m["shard"] for m in markers], dtype=object), dtype=h5py.string_dtype())
+        shards.create_dataset(
+            "name", data=np.array([m["shard"] for m in markers], dtype=object), dtype=h5py.string_dtype()
+        )
         shards.create_dataset("size", data=np.array([m["size"] for m in markers], dtype=np.int64))
         shards.create_dataset("num_clips", data=np.array(counts, dtype=np.int64))
         shards.create_dataset("offset", data=offsets[:-1])
@@ -250,15 +271,18 @@ def write_index(
 
 
 def write_errors(store: Path, errors: list[dict[str, Any]]) -> None:
-    tmp = Path(store) / "errors.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
-    os.replace(tmp, Path(store) / "errors.jsonl")
+    write_text(Path(store) / "errors.jsonl", "".join(json.dumps(e, sort_keys=True) + "\n" for e in errors))
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+def read_errors(store: Path) -> list[dict[str, Any]]:
+    """Every video that failed or was skipped, and why (empty before the first pack)."""
+    path = Path(store) / "errors.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def write_videos(store: Path, table: list[dict[str, Any]]) -> None:
+    """The scanned video table (ids are positions in it), kept for reruns."""
+    write_text(Path(store) / "videos.json", json.dumps(table))
 
 
 # --------------------------------------------------------------------------- reading
@@ -293,13 +317,17 @@ class ClipStore:
             raise StoreError(f"{root} has no index.h5: it is not a clip store, or its packing job has not finished")
         with _h5(index, "r") as f:
             if f.attrs.get("format_version") != FORMAT_VERSION:
-                raise StoreError(f"{index}: format version {f.attrs.get('format_version')} is not {FORMAT_VERSION}; repack it")
+                raise StoreError(
+                    f"{index}: format version {f.attrs.get('format_version')} is not {FORMAT_VERSION}; repack it"
+                )
             names = [n.decode() if isinstance(n, bytes) else n for n in f["shards/name"][:]]
             sizes = f["shards/size"][:]
             _check_shards(root, names, sizes)
             params = json.loads(f.attrs["params"])
             total = int(f.attrs["num_clips"])
-            columns = {k: (f[k][:] if total else np.zeros(0)) for k in ("labels", "video_ids", "clip_index", "start_times")}
+            columns = {
+                k: (f[k][:] if total else np.zeros(0)) for k in ("labels", "video_ids", "clip_index", "start_times")
+            }
             videos = {k: f["videos"][k][:] for k in f["videos"]}
             for k in ("path", "split", "status"):
                 videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
@@ -322,8 +350,20 @@ class ClipStore:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the data a model saw: format version, index checksum, classes, clip parameters."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "index_sha256": sha256(self.root / "index.h5"),
+            "classes": list(self.classes),
+            "params": self.params,
+        }
+
     def read_clip(self, position: int) -> np.ndarray:
-        """The clip at ``position`` (a position in the store, as in ``order`` and ``splits``), ``[T, H, W, 3]`` uint8."""
+        """The clip at ``position``, ``[T, H, W, 3]`` uint8.
+
+        ``position`` is a position in the store, as in ``order`` and ``splits``.
+        """
         s = int(np.searchsorted(self.shard_offsets, position, side="right") - 1)
         clips = self._shard(s)["clips"]
         local = int(position - self.shard_offsets[s])

@@ -20,7 +20,12 @@ import numpy as np
 CLASSES = ["move_right", "move_left", "move_up", "move_down", "turn_clockwise", "turn_counterclockwise"]
 
 # (codec, container extension, pixel format)
-CODECS = [("libx264", "mp4", "yuv420p"), ("mpeg4", "avi", "yuv420p"), ("libvpx-vp9", "webm", "yuv420p"), ("mjpeg", "mkv", "yuvj420p")]
+CODECS = [
+    ("libx264", "mp4", "yuv420p"),
+    ("mpeg4", "avi", "yuv420p"),
+    ("libvpx-vp9", "webm", "yuv420p"),
+    ("mjpeg", "mkv", "yuvj420p"),
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +109,11 @@ def tag_rotation(path: Path, degrees: int) -> None:
 
 
 def make_corpus(
-    root: Path, videos_per_class: int = 4, frames: tuple[int, int] = (40, 72), seed: int = 0, classes: list[str] | None = None
+    root: Path,
+    videos_per_class: int = 4,
+    frames: tuple[int, int] = (40, 72),
+    seed: int = 0,
+    classes: list[str] | None = None,
 ) -> list[Path]:
     """A class-per-folder corpus under ``root``: codecs, sizes, lengths and GOPs vary by video."""
     rng = np.random.default_rng(seed)
@@ -114,9 +123,15 @@ def make_corpus(
             codec, ext, _ = CODECS[len(paths) % len(CODECS)]
             width, height = [(96, 72), (128, 96), (80, 80), (112, 64)][int(rng.integers(4))]
             spec = VideoSpec(
-                label=label, frames=int(rng.integers(frames[0], frames[1] + 1)), fps=int(rng.choice([24, 25, 30])),
-                width=width, height=height, codec=codec, gop=int(rng.choice([6, 12, 30])), seed=int(rng.integers(1 << 30)),
-            )  # fmt: skip
+                label=label,
+                frames=int(rng.integers(frames[0], frames[1] + 1)),
+                fps=int(rng.choice([24, 25, 30])),
+                width=width,
+                height=height,
+                codec=codec,
+                gop=int(rng.choice([6, 12, 30])),
+                seed=int(rng.integers(1 << 30)),
+            )
             paths.append(write_video(root / label / f"{label}_{i:03d}.{ext}", spec))
     return paths
 

@@ -4,15 +4,14 @@ Ranks ``0..S-1`` serve, ranks ``S..S+W-1`` train (or are federated clients).
 Names and the rendezvous address come from the ``hpc`` distributed contract.
 Server 0 closes the run: once every trainer has finished or been dropped, it
 gathers the shards, writes the same run directory a DeepSpeed run leaves
-(``final/model.safetensors``, ``final/run.json``, ``eval.json``, metrics,
-plots), then stops the other servers. Nobody waits on a dead trainer: the
+(through :class:`clipforge.rundir.RunDir`: final weights, the run record, the
+evaluation, metrics, plots), then stops the other servers. Nobody waits on a dead trainer: the
 shutdown is not the collective ``rpc.shutdown(graceful=True)``, which would.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -23,10 +22,13 @@ import torch
 from torch.distributed import rpc
 
 from clipforge.hpc.distenv import DistEnv
-from clipforge.models.builders import architecture
-from clipforge.models.trainer import evaluate_model, run_record, write_final
+from clipforge.hpc.errors import UserError
+from clipforge.models.builders import Architecture, architecture, load_weights
+from clipforge.models.evaluation import evaluate_model
+from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
+from clipforge.rundir import RunDir, RunRecord
 
 from . import server as srv
 from . import worker
@@ -34,7 +36,7 @@ from . import worker
 log = logging.getLogger(__name__)
 
 
-class PSError(ValueError):
+class PSError(UserError):
     """A parameter-server job that cannot start as configured."""
 
 
@@ -42,50 +44,62 @@ class PSError(ValueError):
 class PSSettings:
     run_dir: Path = Path("runs/ps")
     """Run directory (config, metrics, server checkpoints, final weights)."""
-    store: Path = Path("store")
-    """Clip store."""
-    train_split: str = "train"
-    """Split to train on."""
-    eval_split: str = "val"
-    """Split to evaluate on at the end."""
-    model: str = "videovit-tiny"
-    """Model builder name."""
-    depth: int | None = None
-    """Transformer depth override (videovit-* only)."""
-    tubelet: tuple[int, int, int] | None = None
-    """Tubelet override (videovit-* only)."""
     servers: int = 1
     """Server ranks (the first ones)."""
     algorithm: Literal["ps", "fedavg"] = "ps"
     """ps: parameter server with async/ssp/sync updates; fedavg: federated averaging rounds."""
     seed: int = 0
-    """Seed of initialisation, partitions and sampling."""
+    """Seed of initialisation, partitions, sampling and augmentation."""
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    data: DataSettings = dataclasses.field(default_factory=DataSettings)
     server: srv.ServerSettings = dataclasses.field(default_factory=srv.ServerSettings)
     trainer: worker.TrainerSettings = dataclasses.field(default_factory=worker.TrainerSettings)
     fed: worker.FedSettings = dataclasses.field(default_factory=worker.FedSettings)
 
-    def overrides(self) -> dict[str, Any]:
-        return {k: v for k, v in (("depth", self.depth), ("tubelet", self.tubelet)) if v is not None}
 
-
-def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Any]:
+def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     """Refuse what cannot work before any process starts."""
     if s.servers < 1 or world_size - s.servers < 1:
-        raise PSError(f"{world_size} tasks cannot hold {s.servers} server(s) and at least one trainer; ask for more tasks or fewer servers")
+        raise PSError(
+            f"{world_size} tasks cannot hold {s.servers} server(s) and at least one trainer; ask for more tasks or "
+            "fewer servers"
+        )
     if s.algorithm == "fedavg" and s.servers != 1:
         raise PSError("federated averaging runs with one server; pass --servers 1")
-    store = ClipStore.open(s.store)
+    if s.data.class_balance != "none":
+        raise PSError(
+            f"--data.class-balance {s.data.class_balance} is not supported by the parameter server; leave it at none"
+        )
+    if s.data.workers != DataSettings().workers:
+        raise PSError(
+            "--data.workers has no effect on a parameter-server run (each trainer reads in its own process); leave it "
+            "out"
+        )
+    store = ClipStore.open(s.data.store)
+    ClipDataset(store, s.data.train_split)
+    ClipDataset(store, s.data.eval_split)
     p = store.params
-    arch = architecture(s.model, len(store.classes), p["clip_frames"], p["height"], **s.overrides())
-    problem = arch.input.problem(p["clip_frames"], p["height"], p["width"])
+    if s.data.crop is not None and s.data.crop > min(p["height"], p["width"]):
+        raise PSError(f"crop {s.data.crop} is larger than the store's {p['height']}x{p['width']} frames")
+    size = s.data.crop or p["height"]
+    arch = architecture(s.model.name, len(store.classes), p["clip_frames"], size, **s.model.overrides())
+    problem = arch.input.problem(p["clip_frames"], size, s.data.crop or p["width"])
     if problem:
-        raise PSError(f"model {s.model} {problem}")
+        raise PSError(f"model {s.model.name} {problem}")
     return store, arch
+
+
+def _record(
+    s: PSSettings, store: ClipStore, metrics: dict[str, Any], steps: int, env: DistEnv, **extra: Any
+) -> RunRecord:
+    record = RunRecord.of_run(s.model.name, s.model.overrides(), store, s.data.crop, metrics, steps, env)
+    return dataclasses.replace(record, **extra)
 
 
 def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
     """This process's part of the job, by rank."""
     store, arch = check(s, env.world_size)
+    run_dir = RunDir(s.run_dir).prepare()
     trainers = [f"trainer{t}" for t in range(env.world_size - s.servers)]
     servers = [f"server{k}" for k in range(s.servers)]
     is_server = env.rank < s.servers
@@ -93,21 +107,22 @@ def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{env.master_addr}:{env.master_port}", rpc_timeout=600)
     torch.manual_seed(s.seed)
     model = arch.build(seed=s.seed)
+    if s.model.weights is not None:
+        load_weights(model, s.model.weights)
     owner = srv.assign_shards({k: tuple(v.shape) for k, v in model.state_dict().items()}, s.servers)
-    dataset = ClipDataset(store, s.train_split)
+    dataset = ClipDataset(store, s.data.train_split)
     shares = worker.partition(dataset.labels, len(trainers), s.trainer.partition, s.seed)
-    (s.run_dir / "ps").mkdir(parents=True, exist_ok=True)
     if s.algorithm == "fedavg":
-        return _fedavg(s, env, name, servers, trainers, model, dataset, shares, store, options)
+        return _fedavg(s, env, run_dir, name, servers, trainers, model, dataset, shares, store, options)
     if is_server:
         mine = {k: v for k, v in model.state_dict().items() if owner[k] == env.rank}
-        server = srv.ShardServer(env.rank, mine, trainers, s.server, s.run_dir / "ps" / f"server-{env.rank}.pt")
+        server = srv.ShardServer(env.rank, mine, trainers, s.server, run_dir.server_checkpoint(env.rank))
         srv.install(server)
         rpc.init_rpc(name, rank=env.rank, world_size=env.world_size, rpc_backend_options=options)
         started = time.time()
         server.finished.wait()
         server.save_now()
-        result = _close(s, env, servers, store, started) if env.rank == 0 else None
+        result = _close(s, env, run_dir, servers, store, model, started) if env.rank == 0 else None
         if env.rank != 0:
             server.stopped.wait()
             time.sleep(1.0)  # let server 0's last calls be answered before this process goes away
@@ -115,15 +130,23 @@ def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
         return result
     rpc.init_rpc(name, rank=env.rank, world_size=env.world_size, rpc_backend_options=options)
     t = env.rank - s.servers
-    metrics = s.run_dir / "metrics.jsonl" if t == 0 else None
-    probe = ClipDataset(store, s.eval_split) if t == 0 and s.trainer.probe_every else None
-    trainer = worker.Trainer(t, servers, owner, model, dataset, shares[t], s.trainer, s.seed, metrics, probe)
-    trainer.run()
+    probe = ClipDataset(store, s.data.eval_split) if t == 0 and s.trainer.probe_every else None
+    reporter = run_dir if t == 0 else None
+    augment = worker.Augment(s.data.crop, s.data.flip, s.seed)
+    worker.Worker(t, servers, owner, model, dataset, shares[t], s.trainer, s.seed, augment, reporter, probe).run()
     rpc.shutdown(graceful=False)
     return None
 
 
-def _close(s: PSSettings, env: DistEnv, servers: list[str], store: ClipStore, started: float) -> dict[str, Any]:
+def _close(
+    s: PSSettings,
+    env: DistEnv,
+    run_dir: RunDir,
+    servers: list[str],
+    store: ClipStore,
+    model: torch.nn.Module,
+    started: float,
+) -> dict[str, Any]:
     """Server 0: assemble the model from every shard, evaluate, write the run directory, stop the other servers."""
     states = [srv.remote_state()] + [rpc.rpc_sync(name, srv.remote_state) for name in servers[1:]]
     state: dict[str, torch.Tensor] = {}
@@ -133,34 +156,54 @@ def _close(s: PSSettings, env: DistEnv, servers: list[str], store: ClipStore, st
         state.update(shard["params"])
     for name in servers[1:]:
         rpc.rpc_sync(name, srv.remote_stop)
-    p = store.params
-    model = architecture(s.model, len(store.classes), p["clip_frames"], p["height"], **s.overrides()).build(seed=s.seed)
     model.load_state_dict(state)
-    metrics = evaluate_model(model, ClipDataset(store, s.eval_split), s.trainer.batch, None)
+    metrics = evaluate_model(model, ClipDataset(store, s.data.eval_split), s.trainer.batch, s.data.crop)
     updates = sum(shard["version"] for shard in states) / len(states)
     staleness = [x for shard in states for x in shard["staleness"]]
     gaps = [x for shard in states for x in shard["clock_gaps"]]
     summary = {
-        "kind": "ps", "mode": s.server.mode if s.algorithm == "ps" else "fedavg", "updates": updates,
+        "kind": "ps",
+        "mode": s.server.mode if s.algorithm == "ps" else "fedavg",
+        "updates": updates,
         "updates_per_s": updates / max(time.time() - started, 1e-9),
         "staleness_histogram": np.bincount(np.asarray(staleness, dtype=np.int64)).tolist() if staleness else [],
-        "max_clock_gap": max(gaps) if gaps else 0, "shard_sizes": [sum(v.numel() for v in sh["params"].values()) for sh in states],
+        "max_clock_gap": max(gaps) if gaps else 0,
+        "shard_sizes": [sum(v.numel() for v in sh["params"].values()) for sh in states],
         "clocks": states[0]["clocks"],
-    }  # fmt: skip
-    _append(s.run_dir / "metrics.jsonl", summary)
-    _append(s.run_dir / "metrics.jsonl", {"kind": "eval", "step": int(updates), **metrics})
-    record = run_record(s.model, s.overrides(), store, s.store, None, metrics, int(updates), env.world_size)
-    record["parameter_server"] = {k: v for k, v in summary.items() if k != "kind"}
-    weights = write_final(s.run_dir, state, record, metrics)
-    log.info("%s: %d updates (%.1f/s); %s video top-1 %.3f; weights in %s", summary["mode"], updates, summary["updates_per_s"],
-             metrics["split"], metrics["video_top1"], weights)  # fmt: skip
+    }
+    run_dir.append_metrics(summary)
+    run_dir.append_metrics({"kind": "eval", "step": int(updates), **metrics})
+    figures = {k: v for k, v in summary.items() if k != "kind"}
+    record = _record(s, store, metrics, int(updates), env, parameter_server=figures)
+    weights = run_dir.write_final(state, record, metrics)
+    log.info(
+        "%s: %d updates (%.1f/s); %s video top-1 %.3f; weights in %s",
+        summary["mode"],
+        updates,
+        summary["updates_per_s"],
+        metrics["split"],
+        metrics["video_top1"],
+        weights,
+    )
     return {"metrics": metrics, "summary": summary, "weights": str(weights)}
 
 
-def _fedavg(s: PSSettings, env: DistEnv, name: str, servers: list[str], clients: list[str], model: torch.nn.Module,
-            dataset: ClipDataset, shares: list[np.ndarray], store: ClipStore, options) -> dict[str, Any] | None:  # fmt: skip
+def _fedavg(
+    s: PSSettings,
+    env: DistEnv,
+    run_dir: RunDir,
+    name: str,
+    servers: list[str],
+    clients: list[str],
+    model: torch.nn.Module,
+    dataset: ClipDataset,
+    shares: list[np.ndarray],
+    store: ClipStore,
+    options: rpc.TensorPipeRpcBackendOptions,
+) -> dict[str, Any] | None:
     if env.rank != 0:
-        stop = worker.install_client(model, dataset, shares[env.rank - s.servers], s.seed + env.rank)
+        augment = worker.Augment(s.data.crop, s.data.flip, s.seed + env.rank)
+        stop = worker.install_client(model, dataset, shares[env.rank - s.servers], s.seed + env.rank, augment)
         rpc.init_rpc(name, rank=env.rank, world_size=env.world_size, rpc_backend_options=options)
         stop.wait()
         time.sleep(1.0)
@@ -171,11 +214,19 @@ def _fedavg(s: PSSettings, env: DistEnv, name: str, servers: list[str], clients:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng = np.random.default_rng(s.seed)
     f = s.fed
-    eval_set = ClipDataset(store, s.eval_split)
+    eval_set = ClipDataset(store, s.data.eval_split)
     for r in range(f.rounds):
         k = max(1, int(round(f.client_fraction * len(clients))))
         chosen = sorted(rng.choice(len(clients), size=k, replace=False))
-        futures = {c: rpc.rpc_async(clients[c], worker.local_train, args=(state, f.local_epochs, f.lr, f.batch, r), timeout=f.round_timeout_s) for c in chosen}
+        futures = {
+            c: rpc.rpc_async(
+                clients[c],
+                worker.local_train,
+                args=(state, f.local_epochs, f.lr, f.batch, r),
+                timeout=f.round_timeout_s,
+            )
+            for c in chosen
+        }
         results = []
         for c, future in futures.items():
             try:
@@ -189,25 +240,33 @@ def _fedavg(s: PSSettings, env: DistEnv, name: str, servers: list[str], clients:
         model.load_state_dict(state)
         row = {"kind": "train", "step": r + 1, "clients": len(results)}
         if (r + 1) % max(1, f.rounds // 5) == 0 or r + 1 == f.rounds:
-            m = evaluate_model(model, eval_set, f.batch, None)
+            m = evaluate_model(model, eval_set, f.batch, s.data.crop)
             row.update(loss=m["loss"], video_top1=m["video_top1"])
-            log.info("round %d/%d: %d clients, %s video top-1 %.3f", r + 1, f.rounds, len(results), m["split"], m["video_top1"])
-        _append(s.run_dir / "metrics.jsonl", row)
+            log.info(
+                "round %d/%d: %d clients, %s video top-1 %.3f",
+                r + 1,
+                f.rounds,
+                len(results),
+                m["split"],
+                m["video_top1"],
+            )
+        run_dir.append_metrics(row)
     for client in clients:
         try:
             rpc.rpc_sync(client, worker.client_stop, timeout=30)
         except RuntimeError:
             pass  # a client that died has nothing to stop
-    metrics = evaluate_model(model, eval_set, f.batch, None)
-    _append(s.run_dir / "metrics.jsonl", {"kind": "eval", "step": f.rounds, **metrics})
-    record = run_record(s.model, s.overrides(), store, s.store, None, metrics, f.rounds, env.world_size)
-    record["federated"] = {"rounds": f.rounds, "clients": len(clients), "local_epochs": f.local_epochs, "client_fraction": f.client_fraction,
-                           "partition": s.trainer.partition, "seconds": time.time() - started}  # fmt: skip
-    weights = write_final(s.run_dir, state, record, metrics)
+    metrics = evaluate_model(model, eval_set, f.batch, s.data.crop)
+    run_dir.append_metrics({"kind": "eval", "step": f.rounds, **metrics})
+    federated = {
+        "rounds": f.rounds,
+        "clients": len(clients),
+        "local_epochs": f.local_epochs,
+        "client_fraction": f.client_fraction,
+        "partition": s.trainer.partition,
+        "seconds": time.time() - started,
+    }
+    record = _record(s, store, metrics, f.rounds, env, federated=federated)
+    weights = run_dir.write_final(state, record, metrics)
     rpc.shutdown(graceful=False)
     return {"metrics": metrics, "weights": str(weights)}
-
-
-def _append(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=float) + "\n")

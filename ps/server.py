@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Literal
 
 import torch
 from torch.distributed import rpc
+
+from clipforge.hpc.files import replacing
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,21 @@ def _numel(shape: tuple[int, ...]) -> int:
 class ShardServer:
     """One server's shard: parameters, optimizer state, trainer clocks, and the update rules."""
 
-    def __init__(self, index: int, params: dict[str, torch.Tensor], trainers: list[str], settings: ServerSettings, checkpoint: Path | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: dict[str, torch.Tensor],
+        trainers: list[str],
+        settings: ServerSettings,
+        checkpoint: Path | None,
+    ) -> None:
         self.index, self.settings, self.checkpoint_path = index, settings, checkpoint
         self.params = {k: v.detach().clone().float().requires_grad_(True) for k, v in params.items()}
         tensors = list(self.params.values())
         if settings.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(tensors, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+            self.optimizer = torch.optim.SGD(
+                tensors, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay
+            )
         else:
             self.optimizer = torch.optim.AdamW(tensors, lr=settings.lr, weight_decay=settings.weight_decay)
         self.lock = threading.Lock()
@@ -102,7 +112,9 @@ class ShardServer:
             self._seen(trainer)
             return {k: v.detach().clone() for k, v in self.params.items()}, self.version
 
-    def push(self, trainer: str, grads: dict[str, torch.Tensor], clock: int, pulled_version: int) -> torch.futures.Future:
+    def push(
+        self, trainer: str, grads: dict[str, torch.Tensor], clock: int, pulled_version: int
+    ) -> torch.futures.Future:
         done: torch.futures.Future = torch.futures.Future()
         with self.lock:
             self._seen(trainer)
@@ -200,9 +212,8 @@ class ShardServer:
         }
 
     def _save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint
+        with replacing(path) as tmp:  # a crash leaves the previous checkpoint
+            torch.save(self.state(), tmp)
 
     def _restore(self, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -255,8 +266,13 @@ def remote_clock(trainer: str) -> int:
 def remote_state() -> dict:
     server = current()
     with server.lock:
-        return {"params": {k: v.detach().clone() for k, v in server.params.items()}, "version": server.version,
-                "clocks": dict(server.clocks), "staleness": list(server.staleness), "clock_gaps": list(server.clock_gaps)}  # fmt: skip
+        return {
+            "params": {k: v.detach().clone() for k, v in server.params.items()},
+            "version": server.version,
+            "clocks": dict(server.clocks),
+            "staleness": list(server.staleness),
+            "clock_gaps": list(server.clock_gaps),
+        }
 
 
 def remote_stop() -> None:

@@ -1,13 +1,11 @@
-"""Trainers and federated clients: the processes that compute on their own data and talk to the servers."""
+"""Workers (trainers) and federated clients: the processes that compute on their own data and talk to the servers."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -15,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import rpc
 
+from clipforge.models.clips import random_crop_flip
+from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
+from clipforge.rundir import RunDir
 
 from . import server as srv
 
@@ -61,15 +62,49 @@ def batch_indices(share: np.ndarray, step: int, batch: int, seed: int, trainer: 
     return share[picks]
 
 
-class Trainer:
-    """One trainer of the asynchronous/SSP/sync parameter server."""
+@dataclasses.dataclass(frozen=True)
+class Augment:
+    """The training crop and flip of a worker, seeded per (seed, iteration) so a rerun draws the same."""
 
-    def __init__(self, index: int, servers: list[str], owner: dict[str, int], model: torch.nn.Module, dataset: ClipDataset,
-                 share: np.ndarray, settings: TrainerSettings, seed: int, metrics: Path | None, probe: ClipDataset | None = None) -> None:  # fmt: skip
+    crop: int | None
+    flip: bool
+    seed: int
+
+    def __call__(self, clips: torch.Tensor, step: int) -> torch.Tensor:
+        if self.crop is None and not self.flip:
+            return clips
+        g = torch.Generator().manual_seed(hash((self.seed, step)) % (2**63))
+        return random_crop_flip(clips, self.crop, self.flip, g)
+
+
+def _batch(dataset: ClipDataset, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [dataset[int(i)] for i in indices]
+    return torch.stack([c for c, _ in items]), torch.tensor([y for _, y in items])
+
+
+class Worker:
+    """One trainer of the asynchronous/SSP/sync parameter server: pulls, computes gradients, pushes."""
+
+    def __init__(
+        self,
+        index: int,
+        servers: list[str],
+        owner: dict[str, int],
+        model: torch.nn.Module,
+        dataset: ClipDataset,
+        share: np.ndarray,
+        settings: TrainerSettings,
+        seed: int,
+        augment: Augment,
+        run: RunDir | None = None,
+        probe: ClipDataset | None = None,
+    ) -> None:
         self.index, self.name = index, f"trainer{index}"
-        self.probe = probe
         self.servers, self.owner, self.model, self.dataset = servers, owner, model, dataset
-        self.share, self.settings, self.seed, self.metrics = share, settings, seed, metrics
+        self.share, self.settings, self.seed, self.augment = share, settings, seed, augment
+        self.run_dir = run
+        """Where this worker reports its metrics (trainer 0 only)."""
+        self.probe = probe
         self.versions = [0] * len(servers)
 
     def run(self) -> int:
@@ -90,25 +125,28 @@ class Trainer:
                 accumulated = 0
             if s.slow_trainer == self.index:
                 time.sleep((time.perf_counter() - tick) * (s.slow_factor - 1))
-            if self.metrics is not None and self.probe is not None and s.probe_every and (step + 1) % s.probe_every == 0:
+            if (
+                self.run_dir is not None
+                and self.probe is not None
+                and s.probe_every
+                and (step + 1) % s.probe_every == 0
+            ):
                 self._probe(step + 1, time.perf_counter() - started)
-            if self.metrics is not None and ((step + 1) % s.log_every == 0 or step + 1 == s.steps):
+            if self.run_dir is not None and ((step + 1) % s.log_every == 0 or step + 1 == s.steps):
                 rate = (step + 1 - start) / (time.perf_counter() - started)
-                row = {"kind": "train", "step": step + 1, "loss": loss, "trainer": self.index, "iterations_per_s": rate, "time": time.time()}
-                with open(self.metrics, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                row = {"kind": "train", "step": step + 1, "loss": loss, "trainer": self.index, "iterations_per_s": rate}
+                self.run_dir.append_metrics({**row, "time": time.time()})
         for name in self.servers:
             rpc.rpc_sync(name, srv.remote_leave, args=(self.name,))
         return s.steps
 
     def _probe(self, step: int, elapsed: float) -> None:
-        from clipforge.models.trainer import evaluate_model
-
+        assert self.run_dir is not None and self.probe is not None
         self._pull()  # the parameters as the servers hold them now
-        result = evaluate_model(self.model, self.probe, self.settings.batch, None)
+        result = evaluate_model(self.model, self.probe, self.settings.batch, self.augment.crop)
         self.model.train()
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps({"kind": "probe", "step": step, "seconds": elapsed, "video_top1": result["video_top1"], "clip_top1": result["clip_top1"]}) + "\n")
+        figures = {k: result[k] for k in ("video_top1", "clip_top1")}
+        self.run_dir.append_metrics({"kind": "probe", "step": step, "seconds": elapsed, **figures})
 
     def _pull(self) -> None:
         futures = [rpc.rpc_async(name, srv.remote_pull, args=(self.name,)) for name in self.servers]
@@ -120,10 +158,8 @@ class Trainer:
 
     def _forward_backward(self, step: int) -> float:
         idx = batch_indices(self.share, step, self.settings.batch, self.seed, self.index)
-        items = [self.dataset[int(i)] for i in idx]
-        clips = torch.stack([c for c, _ in items])
-        labels = torch.tensor([y for _, y in items])
-        loss = F.cross_entropy(self.model(clips), labels)
+        clips, labels = _batch(self.dataset, idx)
+        loss = F.cross_entropy(self.model(self.augment(clips, step)), labels)
         loss.backward()
         return float(loss.item())
 
@@ -132,7 +168,10 @@ class Trainer:
         for name, p in self.model.named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             shards[self.owner[name]][name] = grad / accumulated
-        futures = [rpc.rpc_async(name, srv.remote_push, args=(self.name, shards[k], clock, self.versions[k])) for k, name in enumerate(self.servers)]
+        futures = [
+            rpc.rpc_async(name, srv.remote_push, args=(self.name, shards[k], clock, self.versions[k]))
+            for k, name in enumerate(self.servers)
+        ]
         for future in futures:
             future.wait()  # SSP and sync hold this until the others catch up
         self.model.zero_grad(set_to_none=True)
@@ -161,34 +200,41 @@ class _Client:
     dataset: ClipDataset
     share: np.ndarray
     seed: int
+    augment: Augment
     stop: threading.Event
 
 
 _CLIENT: _Client | None = None
 
 
-def install_client(model: torch.nn.Module, dataset: ClipDataset, share: np.ndarray, seed: int) -> threading.Event:
+def install_client(
+    model: torch.nn.Module, dataset: ClipDataset, share: np.ndarray, seed: int, augment: Augment
+) -> threading.Event:
     global _CLIENT
-    _CLIENT = _Client(model, dataset, share, seed, threading.Event())
+    _CLIENT = _Client(model, dataset, share, seed, augment, threading.Event())
     return _CLIENT.stop
 
 
-def local_train(state: dict[str, torch.Tensor], epochs: int, lr: float, batch: int, round_index: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Run on a client: start from the global weights, train E epochs on the client's own data, return weights and sample count."""
+def local_train(
+    state: dict[str, torch.Tensor], epochs: int, lr: float, batch: int, round_index: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Run on a client: start from the global weights and train E epochs on its own data.
+
+    Returns the new weights and the number of samples they were trained on.
+    """
     c = _CLIENT
     assert c is not None
     c.model.load_state_dict(state)
     optimizer = torch.optim.AdamW(c.model.parameters(), lr=lr)
     rng = np.random.default_rng([c.seed, round_index])
     c.model.train()
-    for _ in range(epochs):
+    for epoch in range(epochs):
         order = c.share[rng.permutation(len(c.share))]
         for start in range(0, len(order), batch):
-            items = [c.dataset[int(i)] for i in order[start : start + batch]]
-            clips = torch.stack([x for x, _ in items])
-            labels = torch.tensor([y for _, y in items])
+            clips, labels = _batch(c.dataset, order[start : start + batch])
             optimizer.zero_grad()
-            F.cross_entropy(c.model(clips), labels).backward()
+            step = (round_index * epochs + epoch) * len(order) + start
+            F.cross_entropy(c.model(c.augment(clips, step)), labels).backward()
             optimizer.step()
     return {k: v.detach().clone() for k, v in c.model.state_dict().items()}, len(c.share)
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-METRICS = [("video_top1", "video top-1"), ("video_top5", "video top-5"), ("clip_top1", "clip top-1"), ("clip_top5", "clip top-5"), ("loss", "loss")]
+METRICS = [
+    ("video_top1", "video top-1"),
+    ("video_top5", "video top-5"),
+    ("clip_top1", "clip top-1"),
+    ("clip_top5", "clip top-5"),
+    ("loss", "loss"),
+]
 
 
 def model_card(r: dict[str, Any]) -> str:
@@ -21,7 +27,8 @@ def model_card(r: dict[str, Any]) -> str:
         f"| model | `{arch['model']}` {_options(arch)} |",
         f"| input | {arch['input']['frames']} frames of {arch.get('crop') or arch['input']['height']} px, uint8 RGB |",
         f"| classes | {', '.join(r['classes'])} |",
-        f"| weights | `model.safetensors`, {r['files']['model.safetensors']['size'] / 2**20:.1f} MiB, sha256 `{r['files']['model.safetensors']['sha256'][:16]}...` |",
+        f"| weights | `model.safetensors`, {r['files']['model.safetensors']['size'] / 2**20:.1f} MiB, sha256 "
+        f"`{r['files']['model.safetensors']['sha256'][:16]}...` |",
         f"| parent | {r.get('parent') or 'none'} |",
         f"| code | {r.get('code_commit') or 'unknown'} |",
         f"| Slurm job | {r.get('slurm_job_id') or 'not run under Slurm'} |",
@@ -35,12 +42,18 @@ def model_card(r: dict[str, Any]) -> str:
     ]
     per_class = r.get("per_class_accuracy") or {}
     if per_class:
-        lines += ["Per-class accuracy (video level): " + ", ".join(f"{c} {v:.2f}" if v is not None else f"{c} n/a" for c, v in per_class.items()), ""]
+        lines += [
+            "Per-class accuracy (video level): "
+            + ", ".join(f"{c} {v:.2f}" if v is not None else f"{c} n/a" for c, v in per_class.items()),
+            "",
+        ]
     lines += [
         "## Data",
         "",
-        f"Clip store format {fp.get('format_version', '?')}, index sha256 `{str(fp.get('index_sha256', '?'))[:16]}...`; "
-        f"clips of {fp.get('params', {}).get('clip_frames', '?')} frames at {fp.get('params', {}).get('height', '?')}x{fp.get('params', {}).get('width', '?')}.",
+        f"Clip store format {fp.get('format_version', '?')}, index sha256 "
+        f"`{str(fp.get('index_sha256', '?'))[:16]}...`; "
+        f"clips of {fp.get('params', {}).get('clip_frames', '?')} frames at "
+        f"{fp.get('params', {}).get('height', '?')}x{fp.get('params', {}).get('width', '?')}.",
         "",
         "## How to load it",
         "",
@@ -50,7 +63,8 @@ def model_card(r: dict[str, Any]) -> str:
         "",
         "```python",
         "from clipforge.models.builders import create_model, load_weights",
-        f"model = create_model({arch['model']!r}, {len(r['classes'])}, {arch['input']['frames']}, {arch.get('crop') or arch['input']['height']}{_kwargs(arch)})",
+        f"model = create_model({arch['model']!r}, {len(r['classes'])}, {arch['input']['frames']}, "
+        f"{arch.get('crop') or arch['input']['height']}{_kwargs(arch)})",
         f"load_weights(model, './{r['name']}/model.safetensors')",
         "```",
         "",
@@ -65,8 +79,17 @@ def review_text(new: dict[str, Any], base: dict[str, Any] | None, against: str |
     if base is None:
         lines += [f"First version of `{new['name']}`: nothing to compare with.", ""]
     else:
-        label = f"{against} (v{base['version']})" if against and base["version"] != _parent_version(new) else f"v{base['version']}"
-        lines += [f"Compared with {label}.", "", "| metric | before | after | change |", "| --- | ---: | ---: | :---: |"]
+        label = (
+            f"{against} (v{base['version']})"
+            if against and base["version"] != _parent_version(new)
+            else f"v{base['version']}"
+        )
+        lines += [
+            f"Compared with {label}.",
+            "",
+            "| metric | before | after | change |",
+            "| --- | ---: | ---: | :---: |",
+        ]
         for key, name in METRICS:
             if key in new["metrics"] and key in base["metrics"]:
                 before, after = base["metrics"][key], new["metrics"][key]
@@ -106,5 +129,7 @@ def _options(arch: dict[str, Any]) -> str:
 
 
 def _kwargs(arch: dict[str, Any]) -> str:
-    extra = {k: (tuple(v) if isinstance(v, list) else v) for k, v in arch.items() if k not in ("model", "input", "crop")}
+    extra = {
+        k: (tuple(v) if isinstance(v, list) else v) for k, v in arch.items() if k not in ("model", "input", "crop")
+    }
     return "".join(f", {k}={v!r}" for k, v in extra.items())

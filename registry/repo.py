@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import os
 import re
 import shlex
@@ -33,6 +31,9 @@ from typing import Any
 import git
 import yaml
 
+from clipforge.hpc.errors import UserError
+from clipforge.rundir import RunDir
+
 from .card import config_changes, model_card, review_text
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.pt", "*.bin", "*.onnx"]
@@ -44,10 +45,15 @@ LFS_CONFIG = {
     "filter.lfs.smudge": "git-lfs smudge -- %f",
 }
 LFS_FILTER = [arg for key, value in LFS_CONFIG.items() for arg in ("-c", f"{key}={value}")]
-AUTHOR = {"GIT_AUTHOR_NAME": "clipforge", "GIT_AUTHOR_EMAIL": "clipforge@localhost", "GIT_COMMITTER_NAME": "clipforge", "GIT_COMMITTER_EMAIL": "clipforge@localhost"}
+AUTHOR = {
+    "GIT_AUTHOR_NAME": "clipforge",
+    "GIT_AUTHOR_EMAIL": "clipforge@localhost",
+    "GIT_COMMITTER_NAME": "clipforge",
+    "GIT_COMMITTER_EMAIL": "clipforge@localhost",
+}
 
 
-class RegistryError(RuntimeError):
+class RegistryError(UserError):
     """Something the user can fix: an unknown model or version, an unreachable remote, a missing tool."""
 
     def __init__(self, message: str, detail: str = "") -> None:
@@ -81,7 +87,13 @@ class Ref:
         return f"models/{self.name}/v{self.version}"
 
     def __str__(self) -> str:
-        return f"{self.name}@v{self.version}" if self.version is not None else f"{self.name}@{self.alias}" if self.alias else self.name
+        return (
+            f"{self.name}@v{self.version}"
+            if self.version is not None
+            else f"{self.name}@{self.alias}"
+            if self.alias
+            else self.name
+        )
 
 
 class Registry:
@@ -104,9 +116,12 @@ class Registry:
         with tempfile.TemporaryDirectory(prefix="clipforge-registry-") as tmp:
             repo = git.Repo.init(tmp, initial_branch="main")
             registry._configure(repo)
-            (Path(tmp) / ".gitattributes").write_text("".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in WEIGHT_PATTERNS))
+            (Path(tmp) / ".gitattributes").write_text(
+                "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in WEIGHT_PATTERNS)
+            )
             (Path(tmp) / "README.md").write_text(
-                "# Model registry\n\nEach model version is a branch `models/<name>/v<N>`; aliases are tags `<name>/<alias>`.\n"
+                "# Model registry\n\nEach model version is a branch `models/<name>/v<N>`; aliases are tags "
+                "`<name>/<alias>`.\n"
                 "Weights are stored with Git LFS. Managed with `clipforge registry`.\n"
             )
             repo.git.add(".gitattributes", "README.md")
@@ -149,7 +164,9 @@ class Registry:
         if ref.alias:
             version = self.aliases(ref.name).get(ref.name, {}).get(ref.alias)
             if version is None:
-                raise RegistryError(f"{ref} is not set; `clipforge registry promote {ref.name}@vN --alias {ref.alias}` sets it")
+                raise RegistryError(
+                    f"{ref} is not set; `clipforge registry promote {ref.name}@vN --alias {ref.alias}` sets it"
+                )
             return Ref(ref.name, version=version)
         if ref.version is None:
             return Ref(ref.name, version=versions[-1])
@@ -172,12 +189,12 @@ class Registry:
     def push(self, run_dir: Path, name: str, attempts: int = 50) -> Ref:
         """A new version of ``name`` from a finished run; the next free number, retried if another push takes it."""
         Ref.parse(name)
-        run_dir = Path(run_dir)
-        weights = run_dir / "final" / "model.safetensors"
-        if not weights.exists() or not (run_dir / "final" / "run.json").exists():
-            raise RegistryError(f"{run_dir} is not a finished run: final/model.safetensors and final/run.json are missing")
-        run = json.loads((run_dir / "final" / "run.json").read_text())
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+        run_dir = RunDir(run_dir)
+        if not run_dir.is_finished():
+            raise RegistryError(
+                f"{run_dir} is not a finished run: it has no final weights and run record; train it to the end first"
+            )
+        run, config, weights = run_dir.record(), run_dir.config(), run_dir.weights
         with self._clone("main") as repo:
             for _ in range(attempts):
                 taken = self.versions(name).get(name, [])
@@ -188,15 +205,20 @@ class Registry:
                     "version": version,
                     "parent": f"{name}@v{taken[-1]}" if taken else None,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "architecture": {"model": run["model"], **run.get("architecture", {}), "input": run["input"], "crop": run.get("crop")},
-                    "classes": run["classes"],
-                    "metrics": run["metrics"],
-                    "metrics_split": run.get("metrics_split"),
-                    "per_class_accuracy": run.get("per_class_accuracy"),
-                    "data_fingerprint": run.get("data_fingerprint"),
+                    "architecture": {
+                        "model": run.model,
+                        **run.architecture,
+                        "input": dataclasses.asdict(run.input),
+                        "crop": run.crop,
+                    },
+                    "classes": run.classes,
+                    "metrics": run.metrics,
+                    "metrics_split": run.metrics_split,
+                    "per_class_accuracy": run.per_class_accuracy,
+                    "data_fingerprint": run.data_fingerprint,
                     "training_config": config,
-                    "code_commit": run.get("code_commit"),
-                    "slurm_job_id": run.get("slurm_job_id"),
+                    "code_commit": run.code_commit,
+                    "slurm_job_id": run.slurm_job_id,
                 }
                 repo.git.checkout("-B", ref.branch, "origin/main")
                 folder = Path(repo.working_tree_dir) / name
@@ -242,11 +264,22 @@ class Registry:
                     f"{f'v{expect}' if expect else 'nothing'} as expected: someone promoted meanwhile; look and retry"
                 )
         with self._clone(ref.branch) as repo:
-            repo.git.tag("-f", "-a", f"{ref.name}/{alias}", f"origin/{ref.branch}", "-m", f"{ref.name} {alias}: v{ref.version}", env=AUTHOR)
+            repo.git.tag(
+                "-f",
+                "-a",
+                f"{ref.name}/{alias}",
+                f"origin/{ref.branch}",
+                "-m",
+                f"{ref.name} {alias}: v{ref.version}",
+                env=AUTHOR,
+            )
             try:
                 self._git(repo, "push", f"--force-with-lease={tag}:{old}", "origin", f"{tag}:{tag}")
             except RegistryError as exc:
-                raise RegistryError(f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge registry list {ref.name}` and retry") from exc
+                raise RegistryError(
+                    f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge registry "
+                    f"list {ref.name}` and retry"
+                ) from exc
         return ref
 
     def pull(self, ref: Ref, to: Path) -> list[str]:
@@ -259,16 +292,25 @@ class Registry:
             record = yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
             # `git lfs fetch origin models/x/v1` answers "Invalid ref argument": name the remote-tracking ref.
             try:
-                self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors")
+                self._git(
+                    repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", f"{ref.name}/model.safetensors"
+                )
             except RegistryError as exc:
                 # git-lfs checks every object it downloads against its sha256 and refuses a changed one.
                 if "invalid hash" in exc.detail or "expected OID" in exc.detail:
-                    raise RegistryError(f"{ref}: the stored weights do not match their sha256 (changed in the remote's LFS store); refusing them", detail=exc.detail) from None
+                    raise RegistryError(
+                        f"{ref}: the stored weights do not match their sha256 (changed in the remote's LFS store); "
+                        "refusing them",
+                        detail=exc.detail,
+                    ) from None
                 raise
             oid = _pointer_oid(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.safetensors"))
             expected = record["files"]["model.safetensors"]["sha256"]
             if oid != expected:
-                raise RegistryError(f"{ref}: the weights' sha256 {oid[:12]}... is not the one its record names ({expected[:12]}...); refusing them")
+                raise RegistryError(
+                    f"{ref}: the weights' sha256 {oid[:12]}... is not the one its record names ({expected[:12]}...); "
+                    "refusing them"
+                )
             objects = Path(repo.git_dir) / "lfs" / "objects"
             fetched = sorted(p.name for p in objects.glob("*/*/*"))
             to = Path(to)
@@ -297,7 +339,9 @@ class Registry:
         """Metric, config and size differences between two versions."""
         ra, rb = self.record(a), self.record(b)
         metrics = {k: (ra["metrics"].get(k), rb["metrics"].get(k)) for k in rb["metrics"]}
-        config = {k: (v1, v2) for k, v1, v2 in config_changes(ra.get("training_config", {}), rb.get("training_config", {}))}
+        config = {
+            k: (v1, v2) for k, v1, v2 in config_changes(ra.get("training_config", {}), rb.get("training_config", {}))
+        }
         sizes = (ra["files"]["model.safetensors"]["size"], rb["files"]["model.safetensors"]["size"])
         return {"metrics": metrics, "config": config, "size": sizes}
 
@@ -320,7 +364,9 @@ class Registry:
     def _bare_path(self) -> Path:
         remote = self.remote.removeprefix("file://")
         if "://" in remote:
-            raise RegistryError(f"gc works on a bare repository path, not {self.remote}; clean an LFS server with its own tools")
+            raise RegistryError(
+                f"gc works on a bare repository path, not {self.remote}; clean an LFS server with its own tools"
+            )
         return Path(remote)
 
     def _env(self, skip_smudge: bool = False) -> dict[str, str]:
@@ -343,17 +389,29 @@ class Registry:
             try:
                 # The -c options are ours (the LFS filter), never user input; GitPython blocks -c unless told.
                 repo = git.Repo.clone_from(
-                    self.remote, tmp, multi_options=[*(f"--config {shlex.quote(f'{k}={v}')}" for k, v in LFS_CONFIG.items()), "--no-checkout"],
+                    self.remote,
+                    tmp,
+                    multi_options=[
+                        *(f"--config {shlex.quote(f'{k}={v}')}" for k, v in LFS_CONFIG.items()),
+                        "--no-checkout",
+                    ],
                     env=self._env(skip_smudge=True),
                     allow_unsafe_options=True,
-                )  # fmt: skip
+                )
             except git.GitCommandError as exc:
                 raise RegistryError(f"cannot reach the registry at {self.remote}: {_last_line(exc)}") from None
             self._configure(repo)
             if branch != "main":
-                repo.git.fetch("origin", f"+refs/heads/{branch}:refs/remotes/origin/{branch}", env=self._env(skip_smudge=True))
+                repo.git.fetch(
+                    "origin", f"+refs/heads/{branch}:refs/remotes/origin/{branch}", env=self._env(skip_smudge=True)
+                )
             if all_refs:
-                repo.git.fetch("origin", "+refs/heads/*:refs/remotes/origin/*", "+refs/tags/*:refs/tags/*", env=self._env(skip_smudge=True))
+                repo.git.fetch(
+                    "origin",
+                    "+refs/heads/*:refs/remotes/origin/*",
+                    "+refs/tags/*:refs/tags/*",
+                    env=self._env(skip_smudge=True),
+                )
             repo.git.checkout("-B", "main", "origin/main", env=self._env(skip_smudge=True))
             yield repo
         finally:
@@ -363,12 +421,22 @@ class Registry:
         try:
             return repo.git.execute(["git", *LFS_FILTER, *args], env={**os.environ, **self._env()})
         except git.GitCommandError as exc:
-            raise RegistryError(f"git {args[0]} {' '.join(a for a in args[1:3])}: {_last_line(exc)}", detail=str(exc.stderr)) from None
+            raise RegistryError(
+                f"git {args[0]} {' '.join(a for a in args[1:3])}: {_last_line(exc)}", detail=str(exc.stderr)
+            ) from None
 
     def _ls_remote(self, *args: str) -> dict[str, str]:
-        result = subprocess.run(["git", "ls-remote", *args[:-1], self.remote, args[-1]], capture_output=True, text=True, env={**os.environ, **self._env()})
+        result = subprocess.run(
+            ["git", "ls-remote", *args[:-1], self.remote, args[-1]],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **self._env()},
+        )
         if result.returncode != 0:
-            raise RegistryError(f"cannot reach the registry at {self.remote}: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'git ls-remote failed'}")
+            raise RegistryError(
+                f"cannot reach the registry at {self.remote}: "
+                f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'git ls-remote failed'}"
+            )
         refs = {}
         for line in result.stdout.splitlines():
             sha, _, ref = line.partition("\t")
@@ -378,9 +446,15 @@ class Registry:
     def _check_lfs(self, repo: git.Repo, path: str) -> None:
         """Without the LFS filter a commit silently stores the raw weights: make sure it is a pointer."""
         size = int(repo.git.execute(["git", "cat-file", "-s", f"HEAD:{path}"]))
-        head = repo.git.execute(["git", "cat-file", "-p", f"HEAD:{path}"], stdout_as_string=False)[:40] if size < 1024 else b""
+        head = (
+            repo.git.execute(["git", "cat-file", "-p", f"HEAD:{path}"], stdout_as_string=False)[:40]
+            if size < 1024
+            else b""
+        )
         if size >= 1024 or not head.startswith(b"version https://git-lfs"):
-            raise RegistryError(f"{path} was committed as a {size}-byte blob, not an LFS pointer: the git-lfs filter did not run")
+            raise RegistryError(
+                f"{path} was committed as a {size}-byte blob, not an LFS pointer: the git-lfs filter did not run"
+            )
 
 
 def _pointer_oid(pointer: str) -> str:
@@ -395,14 +469,6 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)  # same filesystem: no copy at all
     except OSError:
         shutil.copyfile(source, target)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _last_line(exc: git.GitCommandError) -> str:

@@ -13,6 +13,8 @@ import pytest
 from clipforge.hpc.cluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
+from .packing import pack_argv
+
 VENV_BIN = str(Path(sys.executable).parent)
 
 
@@ -63,7 +65,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, sample_videos: list[Path]) 
     synthetic.add_broken_files(root, "move_left")
     rotated = synthetic.write_video(root / "move_up" / "rotated.mp4", synthetic.VideoSpec("move_up", frames=40, seed=5))
     synthetic.tag_rotation(rotated, 90)
-    synthetic.write_video(root / "move_up" / "no_duration.h264", synthetic.VideoSpec("move_up", frames=40, seed=6), container_format="h264")
+    synthetic.write_video(
+        root / "move_up" / "no_duration.h264",
+        synthetic.VideoSpec("move_up", frames=40, seed=6),
+        container_format="h264",
+    )
     synthetic.write_video(root / "move_down" / "short.mp4", synthetic.VideoSpec("move_down", frames=6, seed=7))
     (root / "move_down" / "notes.txt").write_text("not a video")
     for video in sample_videos:
@@ -77,9 +83,18 @@ def pack(mpiexec):
     """Run the packing job under ``mpiexec -n N``; returns the completed process."""
 
     def run(videos: Path, out: Path, ranks: int = 2, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-        argv = [*mpiexec, "-n", str(ranks), sys.executable, "-m", "clipforge.jobs.preprocess",
-                "--videos", str(videos), "--out", str(out), "--clip-frames", "8", "--height", "32", "--width", "32",
-                "--clips-per-video", "3", "--max-shard-clips", "12", *extra]  # fmt: skip
+        argv = pack_argv(
+            mpiexec,
+            ranks,
+            videos,
+            out,
+            *extra,
+            clip_frames=8,
+            height=32,
+            width=32,
+            clips_per_video=3,
+            max_shard_clips=12,
+        )
         result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         if check:
             assert result.returncode == 0, result.stderr[-3000:]
@@ -96,9 +111,20 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     synthetic.make_corpus(root / "videos", videos_per_class=5, frames=(40, 60))
     out = root / "store"
-    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(root / "videos"), "--out", str(out),
-            "--clip-frames", "8", "--frame-stride", "2", "--height", "32", "--width", "32", "--clips-per-video", "4",
-            "--split.train", "0.6", "--split.val", "0.4", "--split.test", "0.0"]  # fmt: skip
+    argv = pack_argv(
+        mpiexec,
+        2,
+        root / "videos",
+        out,
+        clip_frames=8,
+        frame_stride=2,
+        height=32,
+        width=32,
+        clips_per_video=4,
+        split__train=0.6,
+        split__val=0.4,
+        split__test=0.0,
+    )
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -107,7 +133,9 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DeepSpeed JIT-builds one op on its first init (20-40 s): keep it for the whole run."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+    )
     # Open MPI's UCX one-sided component prints a harmless error on machines without UCX devices.
     os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
@@ -119,10 +147,7 @@ def lfs_server(tmp_path_factory: pytest.TempPathFactory):
     import time
     import types
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from clipforge.hpc.distenv import free_port
 
     root = tmp_path_factory.mktemp("lfs-server")
     base, store = root / "repos", root / "lfs-storage"
@@ -134,11 +159,24 @@ def lfs_server(tmp_path_factory: pytest.TempPathFactory):
         " 'TRANSFER_ADAPTERS': {'basic': {'options': {'storage_options': {'path': sys.argv[2]}}}}})\n"
         "app.run(host='127.0.0.1', port=int(sys.argv[1]), threaded=True)\n"
     )
-    giftless = subprocess.Popen([sys.executable, "-c", serve, str(http_port), str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    giftless = subprocess.Popen(
+        [sys.executable, "-c", serve, str(http_port), str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     daemon = subprocess.Popen(
-        ["git", "daemon", f"--base-path={base}", "--export-all", "--enable=receive-pack", "--reuseaddr", "--listen=127.0.0.1", f"--port={git_port}", str(base)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "git",
+            "daemon",
+            f"--base-path={base}",
+            "--export-all",
+            "--enable=receive-pack",
+            "--reuseaddr",
+            "--listen=127.0.0.1",
+            f"--port={git_port}",
+            str(base),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     for port in (http_port, git_port):
         while True:
@@ -147,6 +185,8 @@ def lfs_server(tmp_path_factory: pytest.TempPathFactory):
                     break
             assert time.monotonic() < deadline and giftless.poll() is None, "the LFS server (giftless) did not start"
             time.sleep(0.1)
-    yield types.SimpleNamespace(base=base, git_url=f"git://127.0.0.1:{git_port}", lfs_url=f"http://127.0.0.1:{http_port}", store=store)
+    yield types.SimpleNamespace(
+        base=base, git_url=f"git://127.0.0.1:{git_port}", lfs_url=f"http://127.0.0.1:{http_port}", store=store
+    )
     giftless.terminate()
     daemon.terminate()

@@ -42,7 +42,9 @@ def test_shipped_profiles_load() -> None:
 
 
 def test_a_missing_profile_lists_the_known_ones() -> None:
-    with pytest.raises(ProfileError, match=r"cluster profile 'nowhere' not found; known profiles: .*dev.*example-gpu.*local"):
+    with pytest.raises(
+        ProfileError, match=r"cluster profile 'nowhere' not found; known profiles: .*dev.*example-gpu.*local"
+    ):
         load_profile("nowhere")
 
 
@@ -55,9 +57,21 @@ def test_a_profile_with_an_unknown_setting_is_refused(tmp_path: Path) -> None:
 
 def test_a_user_mistake_on_the_command_line_is_one_line_without_traceback(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "clipforge.jobs.selftest", "--time", "1h", "--executor", "debug", "--ntasks-per-node", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "clipforge.jobs.selftest",
+            "--time",
+            "1h",
+            "--executor",
+            "debug",
+            "--ntasks-per-node",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "clipforge: error: time: '1h' is not a Slurm time; use minutes ('30'), 'HH:MM:SS' or 'D-HH:MM:SS'"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from clipforge.hpc.distenv import LaunchError, check_mpi_world, dist_env, expand_nodelist, master_port, setup_distributed
+from clipforge.hpc.distenv import (
+    LaunchError,
+    check_mpi_world,
+    dist_env,
+    expand_nodelist,
+    master_port,
+    setup_distributed,
+)
 from clipforge.hpc.launch import context
 
 SLURM_STEP = {
@@ -44,11 +51,22 @@ def test_a_slurm_step_gives_all_five_variables() -> None:
 def test_an_existing_torchrun_environment_is_kept() -> None:
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
     dist = dist_env({**SLURM_STEP, **env})
-    assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port, dist.source) == (3, 4, "10.0.0.1", 29400, "torchrun")
+    assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port, dist.source) == (
+        3,
+        4,
+        "10.0.0.1",
+        29400,
+        "torchrun",
+    )
 
 
 def test_submitit_local_tasks() -> None:
-    env = {"SUBMITIT_LOCAL_JOB_ID": "777", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1"}
+    env = {
+        "SUBMITIT_LOCAL_JOB_ID": "777",
+        "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_NTASKS": "2",
+        "SUBMITIT_LOCAL_LOCALID": "1",
+    }
     dist = dist_env(env)
     assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port) == (1, 2, "127.0.0.1", master_port(777))
 

@@ -16,7 +16,9 @@ CHECKED = (
 
 @pytest.mark.mpi
 def test_mpiexec_gives_a_world_of_two(mpiexec) -> None:
-    result = subprocess.run([*mpiexec, "-n", "2", sys.executable, "-c", WORLD], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*mpiexec, "-n", "2", sys.executable, "-c", WORLD], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:2]) == ["world 0 2", "world 1 2"]
 
@@ -24,7 +26,9 @@ def test_mpiexec_gives_a_world_of_two(mpiexec) -> None:
 @pytest.mark.mpi
 @pytest.mark.slurm
 def test_srun_gives_a_world_of_two(slurm) -> None:
-    result = subprocess.run(["srun", "-n", "2", sys.executable, "-c", WORLD], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["srun", "-n", "2", sys.executable, "-c", WORLD], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:2]) == ["world 0 2", "world 1 2"]
 

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from clipforge.preprocess.decode import ClipParams, decode_clips
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
+from .packing import options, pack_argv
+
 BROKEN = {"move_left/corrupt.mp4", "move_left/not_a_video.mp4", "move_left/truncated.mp4", "move_left/zero_bytes.mp4"}
 
 
@@ -34,8 +35,7 @@ def clips_in_index_order(store: Path) -> tuple[np.ndarray, np.ndarray, list[str]
 @pytest.fixture(scope="module")
 def clean_store(corpus: Path, tmp_path_factory, mpiexec) -> Path:
     out = tmp_path_factory.mktemp("clean") / "store"
-    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(corpus), "--out", str(out),
-            "--clip-frames", "8", "--height", "32", "--width", "32", "--clips-per-video", "3", "--max-shard-clips", "12"]  # fmt: skip
+    argv = pack_argv(mpiexec, 2, corpus, out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -57,7 +57,10 @@ def test_a_manifest_can_give_splits(tmp_path: Path, corpus: Path) -> None:
         c = scan(manifest)
     finally:
         manifest.unlink()
-    assert [(v.path, v.label, v.split) for v in c.videos] == [("move_down/short.mp4", "down", "train"), ("move_up/rotated.mp4", "up", "test")]
+    assert [(v.path, v.label, v.split) for v in c.videos] == [
+        ("move_down/short.mp4", "down", "train"),
+        ("move_up/rotated.mp4", "up", "test"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +73,9 @@ def test_a_manifest_can_give_splits(tmp_path: Path, corpus: Path) -> None:
         ('{"path": "a.mp4"}', 'each line needs "path" and "label"'),
     ],
 )
-def test_manifest_entries_that_are_ambiguous_or_leave_the_root_are_refused(tmp_path: Path, line: str, message: str) -> None:
+def test_manifest_entries_that_are_ambiguous_or_leave_the_root_are_refused(
+    tmp_path: Path, line: str, message: str
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
     (root / "a.mp4").write_bytes(b"")
@@ -115,7 +120,9 @@ def test_a_video_shorter_than_a_clip_is_looped_or_skipped(corpus: Path) -> None:
 def test_decoding_a_clip_gives_the_frames_on_screen_at_its_times(tmp_path: Path) -> None:
     spec = synthetic.VideoSpec("move_right", frames=50, fps=25, gop=10, codec="mjpeg", seed=4)
     path = synthetic.write_video(tmp_path / "v.mkv", spec)
-    result = decode_clips(path, ClipParams(clip_frames=5, frame_stride=3, height=72, width=96, resize="stretch", clips_per_video=2))
+    result = decode_clips(
+        path, ClipParams(clip_frames=5, frame_stride=3, height=72, width=96, resize="stretch", clips_per_video=2)
+    )
     truth = synthetic.render_frames(spec)
     start = round(result.starts[1] * 25)
     for i in range(5):
@@ -145,10 +152,11 @@ def test_broken_videos_land_in_errors_jsonl_and_the_rest_is_packed(clean_store: 
 
 
 @pytest.mark.mpi
-def test_a_rank_killed_mid_run_then_a_rerun_gives_the_clean_stores_clips(corpus: Path, clean_store: Path, tmp_path: Path, mpiexec) -> None:
+def test_a_rank_killed_mid_run_then_a_rerun_gives_the_clean_stores_clips(
+    corpus: Path, clean_store: Path, tmp_path: Path, mpiexec
+) -> None:
     out = tmp_path / "store"
-    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(corpus), "--out", str(out),
-            "--clip-frames", "8", "--height", "32", "--width", "32", "--clips-per-video", "3", "--max-shard-clips", "3"]  # fmt: skip
+    argv = pack_argv(mpiexec, 2, corpus, out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=3)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victim = None
     deadline = time.monotonic() + 120
@@ -176,7 +184,10 @@ def _rank_pid(rank: int) -> int | None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ and b"clipforge.jobs.preprocess" in (entry / "cmdline").read_bytes():
+        if (
+            f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ
+            and b"clipforge.jobs.preprocess" in (entry / "cmdline").read_bytes()
+        ):
             return int(entry.name)
     return None
 
@@ -187,7 +198,9 @@ def test_a_rerun_with_other_parameters_refuses_unless_overwrite(corpus: Path, tm
     pack(corpus, out, 1)
     refused = pack(corpus, out, 1, "--clip-frames", "4", check=False)
     assert refused.returncode != 0
-    assert "was packed with other parameters (clip_frames differ)" in refused.stderr and "Traceback" not in refused.stderr
+    assert (
+        "was packed with other parameters (clip_frames differ)" in refused.stderr and "Traceback" not in refused.stderr
+    )
     pack(corpus, out, 1, "--clip-frames", "4", "--overwrite")
     assert ClipStore.open(out).read_clip(0).shape == (4, 32, 32, 3)
 
@@ -218,12 +231,18 @@ def test_the_reader_in_a_two_worker_dataloader_returns_the_direct_reads(clean_st
 
 
 def test_h5ls_and_h5dump_can_read_the_store(clean_store: Path) -> None:
-    listing = subprocess.run(["h5ls", "-r", str(clean_store / "index.h5")], capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        ["h5ls", "-r", str(clean_store / "index.h5")], capture_output=True, text=True, check=True
+    ).stdout
     for name in ("/clips", "/labels", "/classes", "/splits/train", "/videos/path", "/shards/name"):
         assert name in listing
-    dump = subprocess.run(["h5dump", "-d", "/classes", str(clean_store / "index.h5")], capture_output=True, text=True, check=True).stdout
+    dump = subprocess.run(
+        ["h5dump", "-d", "/classes", str(clean_store / "index.h5")], capture_output=True, text=True, check=True
+    ).stdout
     assert '"move_down"' in dump
-    with h5py.File(clean_store / "index.h5", "r", locking=False) as f:  # the virtual dataset reads through to the shards
+    with h5py.File(
+        clean_store / "index.h5", "r", locking=False
+    ) as f:  # the virtual dataset reads through to the shards
         s = ClipStore.open(clean_store)
         assert np.array_equal(f["clips"][0], s.read_clip(0))
 
@@ -259,14 +278,37 @@ def test_append_adds_new_videos_as_new_shards_without_rewriting_old_ones(corpus:
 
 @pytest.mark.slurm
 @pytest.mark.mpi
-def test_sbatch_runs_the_packing_job_as_mpi_ranks_under_srun(slurm, corpus: Path, clean_store: Path, tmp_path: Path) -> None:
+def test_sbatch_runs_the_packing_job_as_mpi_ranks_under_srun(
+    slurm, corpus: Path, clean_store: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "store"
     script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
     result = subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path / 'slurm.out'}", str(script), "--videos", str(corpus),
-         "--out", str(out), "--clip-frames", "8", "--height", "32", "--width", "32", "--clips-per-video", "3", "--max-shard-clips", "12"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--wait",
+            "--ntasks=2",
+            f"--output={tmp_path / 'slurm.out'}",
+            str(script),
+            "--videos",
+            str(corpus),
+            "--out",
+            str(out),
+            "--clip-frames",
+            "8",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--clips-per-video",
+            "3",
+            "--max-shard-clips",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = (tmp_path / "slurm.out").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "re-launching under srun with 2 tasks" in log
@@ -277,6 +319,6 @@ def test_the_local_executor_starts_mpi_ranks_with_mpiexec(corpus: Path, clean_st
     from clipforge.hpc.launch import run_script
 
     out = tmp_path / "store"
-    run_script("clipforge.jobs.preprocess", ["--executor", "local", "--ntasks-per-node", "2", "--videos", str(corpus), "--out", str(out),
-                                             "--clip-frames", "8", "--height", "32", "--width", "32", "--clips-per-video", "3"])  # fmt: skip
+    flags = options(executor="local", ntasks_per_node=2, videos=corpus, out=out)
+    run_script("clipforge.jobs.preprocess", flags + options(clip_frames=8, height=32, width=32, clips_per_video=3))
     assert np.array_equal(clips_in_index_order(out)[0], clips_in_index_order(clean_store)[0])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,28 +15,55 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clipforge.models.builders import architecture
-from clipforge.models.trainer import evaluate_model, load_trained
+from clipforge.hpc.distenv import local_world
+from clipforge.models.builders import architecture, load_trained
+from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import worker
 
-TINY = ["--depth", "1", "--tubelet", "2", "8", "8", "--trainer.batch", "4", "--trainer.log-every", "5", "--seed", "0"]
+from .packing import pack_argv
+
+TINY = [
+    "--model.depth",
+    "1",
+    "--model.tubelet",
+    "2",
+    "8",
+    "8",
+    "--trainer.batch",
+    "4",
+    "--trainer.log-every",
+    "5",
+    "--seed",
+    "0",
+]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start(
+    store: Path, run: Path, servers: int, trainers: int, *extra: str, model: list[str] = TINY
+) -> list[subprocess.Popen]:
+    """One process per rank, as Slurm or torchrun would start them.
 
-
-def start(store: Path, run: Path, servers: int, trainers: int, *extra: str) -> list[subprocess.Popen]:
-    """One process per rank, as Slurm or torchrun would start them (no MPI: a dead rank must not take the others down)."""
-    port, world = free_port(), servers + trainers
+    No MPI: a dead rank must not take the others down.
+    """
     procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--store", str(store), "--run-dir", str(run), "--servers", str(servers),
-                "--trainers", str(trainers), *TINY, *extra]  # fmt: skip
+    for rank, dist in enumerate(local_world(servers + trainers)):
+        env = {**os.environ, **dist.as_environ()}
+        argv = [
+            sys.executable,
+            "-m",
+            "clipforge.jobs.ps_train",
+            "--data.store",
+            str(store),
+            "--run-dir",
+            str(run),
+            "--servers",
+            str(servers),
+            "--trainers",
+            str(trainers),
+            *model,
+            *extra,
+        ]
         log = open(run.parent / f"{run.name}-rank{rank}.log", "w")
         procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -53,18 +79,29 @@ def rows(run: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(tiny_store: Path, tmp_path: Path) -> None:
+def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(
+    tiny_store: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
-    finish(start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.optimizer", "adamw", "--server.lr", "0.001"), run)
+    finish(
+        start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.optimizer", "adamw", "--server.lr", "0.001"),
+        run,
+    )
     losses = [r["loss"] for r in rows(run, "train")]
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
     summary = rows(run, "ps")[0]
-    assert summary["mode"] == "async" and summary["updates"] == 80 and summary["clocks"] == {"trainer0": 40, "trainer1": 40}
+    assert (
+        summary["mode"] == "async"
+        and summary["updates"] == 80
+        and summary["clocks"] == {"trainer0": 40, "trainer1": 40}
+    )
     model, record = load_trained(run)  # what evaluate.py and the registry read
-    assert record["parameter_server"]["updates"] == 80 and (run / "plots" / "curves.png").exists()
+    assert record.parameter_server["updates"] == 80 and (run / "plots" / "curves.png").exists()
 
 
-def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(tiny_store: Path, tmp_path: Path) -> None:
+def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(
+    tiny_store: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     finish(start(tiny_store, run, 2, 2, "--trainer.steps", "6"), run)
     final = load_file(str(run / "final" / "model.safetensors"))
@@ -79,7 +116,10 @@ def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(
 def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     steps, lr = 4, 0.05
-    finish(start(tiny_store, run, 1, 2, "--server.mode", "sync", "--trainer.steps", str(steps), "--server.lr", str(lr)), run)
+    finish(
+        start(tiny_store, run, 1, 2, "--server.mode", "sync", "--trainer.steps", str(steps), "--server.lr", str(lr)),
+        run,
+    )
     arch = architecture("videovit-tiny", 6, 8, 32, depth=1, tubelet=(2, 8, 8))
     model = arch.build(seed=0)
     dataset = ClipDataset(tiny_store, "train")
@@ -90,7 +130,9 @@ def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> Non
         for t in range(2):
             model.zero_grad()
             items = [dataset[int(i)] for i in worker.batch_indices(shares[t], step, 4, 0, t)]
-            loss = torch.nn.functional.cross_entropy(model(torch.stack([c for c, _ in items])), torch.tensor([y for _, y in items]))
+            loss = torch.nn.functional.cross_entropy(
+                model(torch.stack([c for c, _ in items])), torch.tensor([y for _, y in items])
+            )
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
@@ -103,8 +145,25 @@ def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> Non
 
 def test_ssp_never_applies_an_update_staler_than_its_bound(tiny_store: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    finish(start(tiny_store, run, 1, 2, "--server.mode", "ssp", "--server.staleness", "1", "--trainer.steps", "16",
-                 "--trainer.slow-trainer", "1", "--trainer.slow-factor", "4"), run)  # fmt: skip
+    finish(
+        start(
+            tiny_store,
+            run,
+            1,
+            2,
+            "--server.mode",
+            "ssp",
+            "--server.staleness",
+            "1",
+            "--trainer.steps",
+            "16",
+            "--trainer.slow-trainer",
+            "1",
+            "--trainer.slow-factor",
+            "4",
+        ),
+        run,
+    )
     summary = rows(run, "ps")[0]
     assert summary["max_clock_gap"] <= 1
     assert summary["clocks"] == {"trainer0": 16, "trainer1": 16}
@@ -112,7 +171,20 @@ def test_ssp_never_applies_an_update_staler_than_its_bound(tiny_store: Path, tmp
 
 def test_a_trainer_killed_mid_run_does_not_stop_the_job(tiny_store: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    procs = start(tiny_store, run, 1, 3, "--trainer.steps", "60", "--server.trainer-timeout-s", "3", "--server.mode", "ssp", "--server.staleness", "2")
+    procs = start(
+        tiny_store,
+        run,
+        1,
+        3,
+        "--trainer.steps",
+        "60",
+        "--server.trainer-timeout-s",
+        "3",
+        "--server.mode",
+        "ssp",
+        "--server.staleness",
+        "2",
+    )
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").exists() or len(rows(run, "train")) < 2:
         assert time.monotonic() < deadline
@@ -121,7 +193,11 @@ def test_a_trainer_killed_mid_run_does_not_stop_the_job(tiny_store: Path, tmp_pa
     procs[3].wait()
     finish(procs[:3], run)
     summary = rows(run, "ps")[0]
-    assert summary["clocks"]["trainer0"] == 60 and summary["clocks"]["trainer1"] == 60 and summary["clocks"]["trainer2"] < 60
+    assert (
+        summary["clocks"]["trainer0"] == 60
+        and summary["clocks"]["trainer1"] == 60
+        and summary["clocks"]["trainer2"] < 60
+    )
     assert (run / "final" / "model.safetensors").exists()
     assert "trainer2 silent for 3 s (presumed dead)" in (tmp_path / "run-rank0.log").read_text()
 
@@ -154,22 +230,44 @@ def motion_store(tmp_path_factory, mpiexec) -> Path:
 
     root = tmp_path_factory.mktemp("motion")
     synthetic.make_corpus(root / "videos", videos_per_class=8, frames=(48, 64), seed=1)
-    argv = [*mpiexec, "-n", "2", sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(root / "videos"), "--out", str(root / "store"),
-            "--clip-frames", "16", "--height", "64", "--width", "64", "--split.train", "0.6", "--split.val", "0.4", "--split.test", "0"]  # fmt: skip
+    argv = pack_argv(
+        mpiexec,
+        2,
+        root / "videos",
+        root / "store",
+        clip_frames=16,
+        height=64,
+        width=64,
+        split__train=0.6,
+        split__val=0.4,
+        split__test=0,
+    )
     subprocess.run(argv, check=True, capture_output=True, timeout=300)
     return root / "store"
 
 
-def test_federated_averaging_of_non_iid_clients_beats_the_best_single_client(motion_store: Path, tmp_path: Path) -> None:
+def test_federated_averaging_of_non_iid_clients_beats_the_best_single_client(
+    motion_store: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
-    rounds, epochs, model_args = 30, 2, ["--depth", "1", "--tubelet", "4", "16", "16"]
-    procs = []
-    port, world = free_port(), 4
-    for rank in range(world):  # the same launch as start(), with this store's model
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--store", str(motion_store), "--run-dir", str(run), "--servers", "1", "--trainers", "3",
-                *model_args, "--algorithm", "fedavg", "--trainer.partition", "by_class", "--fed.rounds", str(rounds), "--fed.local-epochs", str(epochs), "--fed.lr", "0.002"]  # fmt: skip
-        procs.append(subprocess.Popen(argv, env=env, stdout=open(tmp_path / f"run-rank{rank}.log", "w"), stderr=subprocess.STDOUT))
+    rounds, epochs, model_args = 30, 2, ["--model.depth", "1", "--model.tubelet", "4", "16", "16"]
+    procs = start(
+        motion_store,
+        run,
+        1,
+        3,
+        "--algorithm",
+        "fedavg",
+        "--trainer.partition",
+        "by_class",
+        "--fed.rounds",
+        str(rounds),
+        "--fed.local-epochs",
+        str(epochs),
+        "--fed.lr",
+        "0.002",
+        model=model_args,
+    )
     finish(procs, run)
     fed = json.loads((run / "eval.json").read_text())["video_top1"]
     arch = architecture("videovit-tiny", 6, 16, 64, depth=1, tubelet=(4, 16, 16))
@@ -177,7 +275,7 @@ def test_federated_averaging_of_non_iid_clients_beats_the_best_single_client(mot
     best = 0.0
     for c, share in enumerate(worker.partition(dataset.labels, 3, "by_class", 0)):
         model = arch.build(seed=0)
-        worker.install_client(model, dataset, share, c + 1)
+        worker.install_client(model, dataset, share, c + 1, worker.Augment(None, False, c + 1))
         for r in range(rounds):  # the same local work, never averaged with the others
             worker.local_train({k: v.clone() for k, v in model.state_dict().items()}, epochs, 0.002, 8, r)
         best = max(best, evaluate_model(model, ClipDataset(motion_store, "val"), 8, None)["video_top1"])
@@ -185,11 +283,31 @@ def test_federated_averaging_of_non_iid_clients_beats_the_best_single_client(mot
 
 
 @pytest.mark.slurm
-def test_a_parameter_server_job_runs_through_submitit_on_slurm_with_three_tasks(slurm, tiny_store: Path, tmp_path: Path) -> None:
+def test_a_parameter_server_job_runs_through_submitit_on_slurm_with_three_tasks(
+    slurm, tiny_store: Path, tmp_path: Path
+) -> None:
     from clipforge.hpc.launch import run_script
 
     run = tmp_path / "run"
-    results = run_script("clipforge.jobs.ps_train", ["--cluster", "dev", "--wait", "True", "--store", str(tiny_store), "--run-dir", str(run),
-                                                     "--servers", "1", "--trainers", "2", "--trainer.steps", "10", *TINY])  # fmt: skip
+    results = run_script(
+        "clipforge.jobs.ps_train",
+        [
+            "--cluster",
+            "dev",
+            "--wait",
+            "True",
+            "--data.store",
+            str(tiny_store),
+            "--run-dir",
+            str(run),
+            "--servers",
+            "1",
+            "--trainers",
+            "2",
+            "--trainer.steps",
+            "10",
+            *TINY,
+        ],
+    )
     assert len(results) == 3 and results[0]["summary"]["clocks"] == {"trainer0": 10, "trainer1": 10}
     assert (run / "final" / "model.safetensors").exists()

@@ -31,8 +31,23 @@ def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> No
     import sys
     import time
 
-    job = run_script("clipforge.jobs.selftest", ["--executor", "local", "--ntasks-per-node", "1", "--wait", "False", "--steps", "600",
-                                                 "--step-seconds", "0.1", "--state-dir", str(tmp_path / "state")])  # fmt: skip
+    job = run_script(
+        "clipforge.jobs.selftest",
+        [
+            "--executor",
+            "local",
+            "--ntasks-per-node",
+            "1",
+            "--wait",
+            "False",
+            "--steps",
+            "600",
+            "--step-seconds",
+            "0.1",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+    )
     cli = [sys.executable, "-m", "clipforge.jobs.cli", "jobs"]
     deadline = time.monotonic() + 60
     while "step 10/600" not in subprocess.run([*cli, "logs", job.job_id], capture_output=True, text=True).stdout:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import subprocess
@@ -13,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
 
+from clipforge.hpc.files import sha256
 from clipforge.models.builders import ModelError, load_weights
-from clipforge.registry.repo import Ref, Registry, RegistryError, sha256
+from clipforge.registry.repo import Ref, Registry, RegistryError
+from clipforge.rundir import HEADLINE_METRICS, InputShape, RunDir, RunRecord
 
 
 @pytest.fixture(autouse=True)
@@ -29,20 +29,32 @@ def isolated_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_run(folder: Path, seed: int, top1: float = 0.5, lr: float = 1e-3) -> Path:
-    """A finished run directory, as jobs/train.py leaves it."""
-    (folder / "final").mkdir(parents=True)
+    """A finished run directory, written by the run directory's own writer as jobs/train.py leaves it."""
     g = torch.Generator().manual_seed(seed)
-    save_file({"0.weight": torch.randn(64, 256, generator=g), "1.bias": torch.randn(64, generator=g)}, str(folder / "final" / "model.safetensors"))
-    run = {
-        "model": "videovit-tiny", "architecture": {"depth": 2}, "classes": ["a", "b", "c"],
-        "input": {"frames": 8, "height": 32, "width": 32}, "crop": None,
-        "metrics": {"clip_top1": top1, "clip_top5": 1.0, "video_top1": top1 + 0.1, "video_top5": 1.0, "loss": 1.0 - top1},
-        "per_class_accuracy": {"a": 1.0, "b": 0.5, "c": None},
-        "data_fingerprint": {"format_version": 1, "index_sha256": "ab" * 32, "classes": ["a", "b", "c"], "params": {"clip_frames": 8, "height": 32, "width": 32}},
-        "code_commit": "0123abc", "slurm_job_id": "4242",
-    }  # fmt: skip
-    (folder / "final" / "run.json").write_text(json.dumps(run))
-    (folder / "config.yaml").write_text(yaml.safe_dump({"steps": 100, "optim": {"lr": lr}}))
+    state = {"0.weight": torch.randn(64, 256, generator=g), "1.bias": torch.randn(64, generator=g)}
+    classes = ["a", "b", "c"]
+    metrics = {"clip_top1": top1, "clip_top5": 1.0, "video_top1": top1 + 0.1, "video_top5": 1.0, "loss": 1.0 - top1}
+    metrics.update(split="val", per_class_accuracy={"a": 1.0, "b": 0.5, "c": None})
+    params = {"clip_frames": 8, "height": 32, "width": 32}
+    record = RunRecord(
+        model="videovit-tiny",
+        architecture={"depth": 2},
+        classes=classes,
+        input=InputShape(8, 32, 32),
+        crop=None,
+        store="store",
+        data_fingerprint={"format_version": 1, "index_sha256": "ab" * 32, "classes": classes, "params": params},
+        metrics={k: metrics[k] for k in HEADLINE_METRICS},
+        metrics_split="val",
+        per_class_accuracy=metrics["per_class_accuracy"],
+        steps=100,
+        world_size=2,
+        code_commit="0123abc",
+        slurm_job_id="4242",
+    )
+    run = RunDir(folder)
+    run.write_config({"steps": 100, "optim": {"lr": lr}})
+    run.write_final(state, record, metrics)
     return folder
 
 
@@ -70,7 +82,13 @@ def test_push_then_pull_gives_identical_weights_stored_as_lfs_pointers(registry:
     run = make_run(tmp_path / "run", 0)
     ref = registry.push(run, "clipnet")
     assert ref == Ref("clipnet", 1)
-    size = subprocess.run(["git", "cat-file", "-s", f"{ref.branch}:clipnet/model.safetensors"], cwd=registry.bare_dir, capture_output=True, text=True, check=True)
+    size = subprocess.run(
+        ["git", "cat-file", "-s", f"{ref.branch}:clipnet/model.safetensors"],
+        cwd=registry.bare_dir,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert int(size.stdout) < 200  # a pointer, not 66 KB of weights
     registry.pull(Ref.parse("clipnet@v1"), tmp_path / "pulled")
     assert sha256(tmp_path / "pulled" / "model.safetensors") == sha256(run / "final" / "model.safetensors")
@@ -93,7 +111,10 @@ def test_eight_concurrent_pushes_give_eight_versions_and_gc_removes_orphans(regi
     assert sorted(refs, key=lambda r: int(r.split("@v")[1])) == [f"clipnet@v{i}" for i in range(1, 9)]
     assert registry.versions() == {"clipnet": list(range(1, 9))}
     pushed = {sha256(r / "final" / "model.safetensors") for r in runs}
-    stored = {sha256(registry.pull(Ref("clipnet", v), tmp_path / f"p{v}") and tmp_path / f"p{v}" / "model.safetensors") for v in range(1, 9)}
+    stored = {
+        sha256(registry.pull(Ref("clipnet", v), tmp_path / f"p{v}") and tmp_path / f"p{v}" / "model.safetensors")
+        for v in range(1, 9)
+    }
     assert stored == pushed  # every run landed in exactly one version, none lost
     if registry.lfs_url:
         with pytest.raises(RegistryError, match="gc works on a bare repository path"):
@@ -110,7 +131,9 @@ def _upload_orphan(registry: Registry, tmp_path: Path) -> str:
     """What a push that lost its race leaves: an LFS object uploaded for a branch that never landed."""
     run = make_run(tmp_path / "loser", 99)
     clone = tmp_path / "loser-clone"
-    subprocess.run(["git", "clone", "-q", registry.remote, str(clone)], check=True, env={**os.environ, "GIT_LFS_SKIP_SMUDGE": "1"})
+    subprocess.run(
+        ["git", "clone", "-q", registry.remote, str(clone)], check=True, env={**os.environ, "GIT_LFS_SKIP_SMUDGE": "1"}
+    )
     subprocess.run(["git", "lfs", "install", "--local"], cwd=clone, check=True, capture_output=True)
     subprocess.run(["git", "checkout", "-q", "-b", "models/clipnet/v9"], cwd=clone, check=True)
     (clone / "clipnet").mkdir()
@@ -126,7 +149,9 @@ def test_a_promotion_that_lost_the_race_fails_with_a_clear_message(registry: Reg
         registry.push(make_run(tmp_path / f"run{i}", i), "clipnet")
     seen = registry.aliases("clipnet").get("clipnet", {}).get("production")  # both promoters look: unset
     registry.promote(Ref.parse("clipnet@v1"), "production", expect=seen)  # the first one wins
-    with pytest.raises(RegistryError, match=r"clipnet@production points to v1, not nothing as expected: someone promoted meanwhile"):
+    with pytest.raises(
+        RegistryError, match=r"clipnet@production points to v1, not nothing as expected: someone promoted meanwhile"
+    ):
         registry.promote(Ref.parse("clipnet@v2"), "production", expect=seen)
     assert registry.aliases("clipnet") == {"clipnet": {"production": 1}}
     registry.promote(Ref.parse("clipnet@v2"), "production", expect=1)
@@ -175,7 +200,7 @@ def test_a_pt_file_with_code_in_its_pickle_is_not_executed(tmp_path: Path) -> No
 
     with open(tmp_path / "weights.pt", "wb") as f:
         pickle.dump({"0.weight": Evil()}, f)
-    with pytest.raises(Exception):
+    with pytest.raises(ModelError, match="never unpickled"):
         load_weights(torch.nn.Linear(2, 2), tmp_path / "weights.pt")
     assert not marker.exists()
     with pytest.raises(ModelError, match="must be a .safetensors file"):
@@ -193,13 +218,23 @@ def test_a_pt_file_with_code_in_its_pickle_is_not_executed(tmp_path: Path) -> No
 )
 def test_registry_mistakes_are_one_line(registry: Registry, tmp_path: Path, argv: list[str], message: str) -> None:
     registry.push(make_run(tmp_path / "run", 0), "clipnet")
-    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", registry.remote, *argv], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", registry.remote, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr.strip().splitlines()[-1]
 
 
 def test_an_unreachable_remote_is_one_line(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", str(tmp_path / "nowhere.git"), "list"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", str(tmp_path / "nowhere.git"), "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"cannot reach the registry at {tmp_path / 'nowhere.git'}" in result.stderr
 
@@ -208,7 +243,12 @@ def test_missing_git_lfs_is_one_line(registry: Registry, tmp_path: Path) -> None
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip(), bin_dir / "git")
-    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", registry.remote, "list"],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": str(bin_dir)})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote", registry.remote, "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(bin_dir)},
+    )
     assert result.returncode == 2
     assert "git-lfs is not installed" in result.stderr and "Traceback" not in result.stderr

@@ -1,4 +1,4 @@
-"""Resources: validation before submission, and the two renderings."""
+"""Resources: validation before submission, the two renderings, and the job scripts' headers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
+from clipforge.hpc.launch import job_spec
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import ResourceError, Resources, parse_memory_mb, parse_time
+from clipforge.jobs.cli import JOB_MODULES
 
 GOLDEN = Path(__file__).parent / "golden"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -76,9 +79,17 @@ def test_gpu_type_gives_the_gres_form() -> None:
 
 def test_profile_rendered_to_sbatch_lines_matches_the_golden_file() -> None:
     resources = Resources(
-        nodes=8, ntasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="200G", time="1-00:00:00",
-        job_name="videovit-b", exclusive=True, qos="high", extra=["mail-type=END", "requeue"],
-    )  # fmt: skip
+        nodes=8,
+        ntasks_per_node=4,
+        gpus_per_node=4,
+        cpus_per_task=8,
+        mem="200G",
+        time="1-00:00:00",
+        job_name="videovit-b",
+        exclusive=True,
+        qos="high",
+        extra=["mail-type=END", "requeue"],
+    )
     rendered = load_profile("example-gpu").apply(resources).sbatch_lines()
     golden = (GOLDEN / "example-gpu.sbatch").read_text().splitlines()
     assert rendered == golden, (
@@ -98,3 +109,16 @@ def test_submitit_parameters_are_accepted_by_submitits_own_sbatch_writer(tmp_pat
     theirs = set(script.splitlines())
     # Every line we render is a line submitit renders from the same Resources (submitit adds its log paths).
     assert ours <= theirs, ours - theirs
+
+
+@pytest.mark.parametrize("name", sorted(JOB_MODULES))
+def test_a_job_scripts_sbatch_header_is_its_declared_default_resources(name: str) -> None:
+    """``sbatch jobs/X.py`` and ``python jobs/X.py`` must ask for the same resources."""
+    spec = job_spec(JOB_MODULES[name])
+    script = REPO / "jobs" / f"{name}.py"
+    header = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert spec.module == f"clipforge.jobs.{name}"
+    assert header == spec.default_resources().sbatch_lines(), (
+        f"{script}'s #SBATCH lines and its declared default resources disagree; change the Resources default "
+        f"in its Config, then paste the output of `clipforge jobs sbatch-lines --job {name}` as its header"
+    )

@@ -54,10 +54,23 @@ def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None
 def test_sbatch_of_a_job_script_relaunches_it_under_srun_with_the_jobs_tasks(slurm, tmp_path: Path) -> None:
     out = tmp_path / "slurm-%j.out"
     result = subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(REPO / "jobs" / "selftest.py"),
-         "--steps", "2", "--step-seconds", "0.2", "--state-dir", str(tmp_path / "state")],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--wait",
+            "--ntasks=2",
+            f"--output={out}",
+            str(REPO / "jobs" / "selftest.py"),
+            "--steps",
+            "2",
+            "--step-seconds",
+            "0.2",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     log = next(tmp_path.glob("slurm-*.out")).read_text()
     assert "re-launching under srun with 2 tasks" in log
@@ -74,8 +87,23 @@ def test_a_job_array_is_one_sbatch_with_one_task_per_argument(slurm) -> None:
 
 def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    job = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "False",
-                                "--steps", "30", "--step-seconds", "0.5", "--state-dir", str(state)])  # fmt: skip
+    job = run_script(
+        SELFTEST,
+        [
+            "--cluster",
+            "dev",
+            "--ntasks-per-node",
+            "2",
+            "--wait",
+            "False",
+            "--steps",
+            "30",
+            "--step-seconds",
+            "0.5",
+            "--state-dir",
+            str(state),
+        ],
+    )
     before = _wait_for_step(state / "state.json", 4)
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
     results = job.results()
@@ -88,9 +116,29 @@ def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_
 
 def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    job = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "1", "--wait", "False", "--time", "1",
-                                "--signal-delay-s", "45", "--max-requeues", "1", "--steps", "100000",
-                                "--step-seconds", "0.5", "--state-dir", str(state)])  # fmt: skip
+    job = run_script(
+        SELFTEST,
+        [
+            "--cluster",
+            "dev",
+            "--ntasks-per-node",
+            "1",
+            "--wait",
+            "False",
+            "--time",
+            "1",
+            "--signal-delay-s",
+            "45",
+            "--max-requeues",
+            "1",
+            "--steps",
+            "100000",
+            "--step-seconds",
+            "0.5",
+            "--state-dir",
+            str(state),
+        ],
+    )
     with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
         job.results()
     log = _job_log(job)
@@ -103,8 +151,10 @@ def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bou
 def test_a_job_script_inside_salloc_runs_in_the_foreground(slurm) -> None:
     result = subprocess.run(
         ["salloc", "-n", "2", sys.executable, str(REPO / "jobs" / "selftest.py")],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     assert "rank 0 of 2" in result.stderr and "rank 1 of 2" in result.stderr
 

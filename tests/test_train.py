@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,24 +14,68 @@ import numpy as np
 import pytest
 import torch
 
+from clipforge.hpc.distenv import free_port
+from clipforge.hpc.errors import UserError
 from clipforge.models.builders import architecture, count_flops, create_model, load_weights
-from clipforge.models.trainer import TrainError, Trainer, TrainSettings, evaluate_model
+from clipforge.models.evaluation import evaluate_model
+from clipforge.models.settings import TrainSettings
+from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch-per-rank", "4",
-        "--data.workers", "0", "--log-every", "5", "--optim.lr", "1e-3", "--optim.warmup-steps", "2"]  # fmt: skip
+TINY = [
+    "--model.name",
+    "videovit-tiny",
+    "--model.depth",
+    "2",
+    "--model.tubelet",
+    "2",
+    "8",
+    "8",
+    "--batch-per-rank",
+    "4",
+    "--data.workers",
+    "0",
+    "--log-every",
+    "5",
+    "--optim.lr",
+    "1e-3",
+    "--optim.warmup-steps",
+    "2",
+]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train(mpiexec, store: Path, run_dir: Path, *extra: str, ranks: int = 2, steps: int = 12, check: bool = True, wait: bool = True):
-    argv = [*mpiexec, "-n", str(ranks), "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train",
-            "--data.store", str(store), "--run-dir", str(run_dir), "--steps", str(steps), "--eval-every", "1000",
-            "--checkpoint-every", "1000", *TINY, *extra]  # fmt: skip
+def train(
+    mpiexec,
+    store: Path,
+    run_dir: Path,
+    *extra: str,
+    ranks: int = 2,
+    steps: int = 12,
+    check: bool = True,
+    wait: bool = True,
+):
+    argv = [
+        *mpiexec,
+        "-n",
+        str(ranks),
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        sys.executable,
+        "-m",
+        "clipforge.jobs.train",
+        "--data.store",
+        str(store),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "1000",
+        "--checkpoint-every",
+        "1000",
+        *TINY,
+        *extra,
+    ]
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -74,13 +117,17 @@ def test_the_four_zero_stages_give_the_same_losses_at_fp32(zero_runs) -> None:
         assert all(abs(curve[s] - reference[s]) < 1e-3 for s in reference), (stage, curve, reference)
 
 
-def test_a_zero3_runs_consolidated_weights_load_into_the_plain_model_and_evaluate_the_same(zero_runs, tiny_store: Path) -> None:
+def test_a_zero3_runs_consolidated_weights_load_into_the_plain_model_and_evaluate_the_same(
+    zero_runs, tiny_store: Path
+) -> None:
     run = zero_runs[3]
     model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
     load_weights(model, run / "final" / "model.safetensors")  # strict: raises on any missing or extra key
     metrics = evaluate_model(model, ClipDataset(tiny_store, "val"), batch=8, crop=None)
     recorded = json.loads((run / "eval.json").read_text())
-    assert metrics["clip_top1"] == pytest.approx(recorded["clip_top1"]) and metrics["video_top1"] == pytest.approx(recorded["video_top1"])
+    assert metrics["clip_top1"] == pytest.approx(recorded["clip_top1"]) and metrics["video_top1"] == pytest.approx(
+        recorded["video_top1"]
+    )
 
 
 def test_bf16_trains(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
@@ -98,7 +145,18 @@ def test_gradient_accumulation_of_two_equals_a_doubled_batch(mpiexec, tiny_store
 def test_a_pipeline_of_two_stages_trains_like_one_process(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
     # Without clipping: with it, the losses part after a few steps, seen here; DeepSpeed's pipeline engine
     # appears to clip each stage by its own gradient norm rather than the whole model's.
-    train(mpiexec, tiny_store, tmp_path / "pipe", "--parallel.pipeline-stages", "2", "--parallel.partition-method", "uniform", "--optim.clip-grad", "0", steps=8)
+    train(
+        mpiexec,
+        tiny_store,
+        tmp_path / "pipe",
+        "--parallel.pipeline-stages",
+        "2",
+        "--parallel.partition-method",
+        "uniform",
+        "--optim.clip-grad",
+        "0",
+        steps=8,
+    )
     train(mpiexec, tiny_store, tmp_path / "one", "--optim.clip-grad", "0", ranks=1, steps=8)
     pipe, one = losses(tmp_path / "pipe"), losses(tmp_path / "one")
     assert len(pipe) == 8 and all(abs(pipe[s] - one[s]) < 1e-4 for s in one), (pipe, one)  # same samples, same maths
@@ -106,12 +164,18 @@ def test_a_pipeline_of_two_stages_trains_like_one_process(mpiexec, tiny_store: P
     load_weights(model, tmp_path / "pipe" / "final" / "model.safetensors")
 
 
-def test_two_pipeline_stages_times_two_data_parallel_train_on_four_processes(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
-    train(mpiexec, tiny_store, tmp_path, "--parallel.pipeline-stages", "2", "--parallel.zero-stage", "1", ranks=4, steps=6)
+def test_two_pipeline_stages_times_two_data_parallel_train_on_four_processes(
+    mpiexec, tiny_store: Path, tmp_path: Path
+) -> None:
+    train(
+        mpiexec, tiny_store, tmp_path, "--parallel.pipeline-stages", "2", "--parallel.zero-stage", "1", ranks=4, steps=6
+    )
     assert len(losses(tmp_path)) == 6 and json.loads((tmp_path / "final" / "run.json").read_text())["world_size"] == 4
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(mpiexec, tiny_store: Path, tmp_path: Path, zero_runs) -> None:
+def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
+    mpiexec, tiny_store: Path, tmp_path: Path, zero_runs
+) -> None:
     run = tmp_path / "run"
     proc = train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", "--checkpoint-every", "4", wait=False)
     deadline = time.monotonic() + 300
@@ -127,9 +191,15 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(mpiexec, t
 
 def test_impossible_layouts_are_refused_before_launch_with_one_line(tiny_store: Path, monkeypatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}[key])
+        monkeypatch.setenv(
+            key,
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}[key],
+        )
     cases = [
-        (dict(parallel=dict(pipeline_stages=2, zero_stage=2)), "zero_stage 2 cannot be combined with pipeline_stages 2"),
+        (
+            dict(parallel=dict(pipeline_stages=2, zero_stage=2)),
+            "zero_stage 2 cannot be combined with pipeline_stages 2",
+        ),
         (dict(parallel=dict(pipeline_stages=3)), "pipeline_stages 3 does not divide the 2 ranks"),
         (dict(model=dict(name="mvit_v2_s")), "needs 16 frames per clip, the clips have 8"),
         (dict(model=dict(name="videovit-tiny", tubelet=(3, 8, 8))), "needs a multiple of 3 frames"),
@@ -144,17 +214,35 @@ def test_impossible_layouts_are_refused_before_launch_with_one_line(tiny_store: 
         if message is None:
             Trainer(settings)  # r3d_18 is made of parts and may be split into stages
             continue
-        with pytest.raises(TrainError, match=message):
+        with pytest.raises(UserError, match=message):
             Trainer(settings)
 
 
 def test_a_bad_training_command_line_gives_one_line(tiny_store: Path, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "clipforge.jobs.train", "--executor", "debug", "--ntasks-per-node", "1", "--data.store", str(tiny_store),
-         "--model.name", "videovit-colossal"], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "clipforge.jobs.train",
+            "--executor",
+            "debug",
+            "--ntasks-per-node",
+            "1",
+            "--data.store",
+            str(tiny_store),
+            "--model.name",
+            "videovit-colossal",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("clipforge: error: model 'videovit-colossal': size 'colossal' is not one of tiny")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("clipforge: error: model 'videovit-colossal': size 'colossal' is not one of tiny")
+    )
 
 
 @pytest.mark.parametrize("attention,pool", [("joint", "mean"), ("joint", "cls"), ("divided", "mean")])
@@ -180,11 +268,26 @@ def test_every_named_model_states_its_input_and_builds() -> None:
 def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tiny_store: Path, tmp_path: Path) -> None:
     from clipforge.hpc.launch import run_script
 
-    args = ["--cluster", "dev", "--ntasks-per-node", "2", "--data.store", str(tiny_store), "--steps", "150",
-            "--eval-every", "1000", "--parallel.zero-stage", "2", *TINY]  # fmt: skip
+    args = [
+        "--cluster",
+        "dev",
+        "--ntasks-per-node",
+        "2",
+        "--data.store",
+        str(tiny_store),
+        "--steps",
+        "150",
+        "--eval-every",
+        "1000",
+        "--parallel.zero-stage",
+        "2",
+        *TINY,
+    ]
     run_script("clipforge.jobs.train", [*args, "--wait", "True", "--run-dir", str(tmp_path / "reference")])
     run = tmp_path / "requeued"
-    job = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run), "--checkpoint-every", "4"])
+    job = run_script(
+        "clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run), "--checkpoint-every", "4"]
+    )
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "step-00000008" / "complete.json").exists():
         assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]
@@ -201,16 +304,39 @@ def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, t
     from clipforge.preprocess import synthetic
 
     run = zero_runs[1]
-    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.evaluate", "--run", str(run), "--split", "val"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "clipforge.jobs.evaluate", "--run", str(run), "--split", "val"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     evaluated = json.loads((run / "eval-val.json").read_text())
     assert evaluated["video_top1"] == pytest.approx(json.loads((run / "eval.json").read_text())["video_top1"])
     video = synthetic.write_video(tmp_path / "clip.mp4", synthetic.VideoSpec("move_up", frames=40, width=64, height=48))
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
-    result = subprocess.run([sys.executable, "-m", "clipforge.jobs.predict", str(video), str(tmp_path / "broken.mp4"), "--run", str(run),
-                             "--top", "2", "--json-out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clipforge.jobs.predict",
+            str(video),
+            str(tmp_path / "broken.mp4"),
+            "--run",
+            str(run),
+            "--top",
+            "2",
+            "--json-out",
+            str(tmp_path / "p.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"{tmp_path / 'broken.mp4'}: cannot classify: cannot open" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        f"{tmp_path / 'broken.mp4'}: cannot classify: cannot open" in result.stderr and "Traceback" not in result.stderr
+    )
     predictions = json.loads((tmp_path / "p.json").read_text())
     assert [p["video"] for p in predictions] == [str(video)] and len(predictions[0]["top"]) == 2
     assert sum(t["probability"] for t in predictions[0]["top"]) <= 1.0 + 1e-6

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every room's benchmark in one run, written to BENCHMARKS.md with the machine it ran on.
 
-    python jobs/bench_all.py [--out BENCHMARKS.md]
+    python jobs/bench/all.py [--out BENCHMARKS.md]
 
 Runs, in order: the preprocess room (bare PyAV decode as the limit, packing with
 1 and 2 ranks, the reader against on-the-fly decoding as SlowFast's and
@@ -26,10 +26,10 @@ import torch
 import tyro
 
 BENCHMARKS = [
-    ("Preprocess: packing and reading clips", "clipforge.jobs.bench_preprocess", []),
-    ("Training: DDP against DeepSpeed ZeRO 0-3", "clipforge.jobs.bench_train", []),
-    ("Registry: push, pull, list", "clipforge.jobs.bench_registry", []),
-    ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench_ps", []),
+    ("Preprocess: packing and reading clips", "clipforge.jobs.bench.preprocess", []),
+    ("Training: DDP against DeepSpeed ZeRO 0-3", "clipforge.jobs.bench.train", []),
+    ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
+    ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),
 ]
 
 
@@ -44,17 +44,34 @@ class Config:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) // 1024**2 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")), 0)
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = next(
+        (
+            int(line.split()[1]) // 1024**2
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        ),
+        0,
+    )
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return f"{cpu}, {os.cpu_count()} cores, {mem} GiB; accelerator: {gpu}; Python {platform.python_version()}, torch {torch.__version__}"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem} GiB; accelerator: {gpu}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def main(cfg: Config) -> None:
     sections = [
         "# clipforge benchmarks",
         "",
-        f"Made by `python jobs/bench_all.py` on {time.strftime('%Y-%m-%d')}.",
+        f"Made by `python jobs/bench/all.py` on {time.strftime('%Y-%m-%d')}.",
         f"Machine: {machine()}.",
         "",
         "Every figure sits beside its limit or its peer, measured in the same run; the ratios are the result,",
@@ -66,14 +83,32 @@ def main(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("bench_all: --gpu needs a CUDA device, and torch sees none")
         gpus = str(torch.cuda.device_count())
-        benchmarks.append(("GPU: VideoViT-B at bf16, ZeRO 0-3, MFU", "clipforge.jobs.bench_train",
-                           ["--model", "videovit-base", "--frames", "16", "--size", "224", "--batch", "8", "--ranks", gpus]))  # fmt: skip
+        benchmarks.append(
+            (
+                "GPU: VideoViT-B at bf16, ZeRO 0-3, MFU",
+                "clipforge.jobs.bench.train",
+                ["--model", "videovit-base", "--frames", "16", "--size", "224", "--batch", "8", "--ranks", gpus],
+            )
+        )
     for title, module, args in benchmarks:
         print(f"==> {title}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
-        body = result.stdout.strip() if result.returncode == 0 else f"FAILED (exit {result.returncode}):\n{result.stderr.strip()[-2000:]}"
-        sections += [f"## {title}", "", f"`python -m {module}` ({time.perf_counter() - started:.0f} s)", "", "```", body, "```", ""]
+        body = (
+            result.stdout.strip()
+            if result.returncode == 0
+            else f"FAILED (exit {result.returncode}):\n{result.stderr.strip()[-2000:]}"
+        )
+        sections += [
+            f"## {title}",
+            "",
+            f"`python -m {module}` ({time.perf_counter() - started:.0f} s)",
+            "",
+            "```",
+            body,
+            "```",
+            "",
+        ]
         print(body, flush=True)
     cfg.out.write_text("\n".join(sections))
     print(f"\nwritten to {cfg.out}", file=sys.stderr)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the registry: push and pull of a large weights file against ``cp``, and ``list`` at 1,000 versions.
 
-    python jobs/bench_registry.py [--size-mb 500] [--versions 1000]
+    python jobs/bench/registry.py [--size-mb 500] [--versions 1000]
 
 Runs against a bare repository on the local disk (the shared-filesystem case).
 """
@@ -9,7 +9,6 @@ Runs against a bare repository on the local disk (the shared-filesystem case).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -17,10 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import tyro
-import yaml
 
 from clipforge.registry.repo import Ref, Registry
+from clipforge.rundir import HEADLINE_METRICS, InputShape, RunDir, RunRecord
 
 
 @dataclasses.dataclass
@@ -33,18 +33,29 @@ class Config:
     """Versions in the registry for the list figure."""
 
 
-def fake_run(folder: Path, size_mb: int) -> Path:
-    (folder / "final").mkdir(parents=True)
-    with open(folder / "final" / "model.safetensors", "wb") as f:
-        for _ in range(size_mb):
-            f.write(os.urandom(1 << 20))
-    record = {
-        "model": "videovit-base", "architecture": {}, "classes": ["a", "b"], "input": {"frames": 16, "height": 224, "width": 224},
-        "crop": None, "metrics": {"clip_top1": 0.5, "clip_top5": 1.0, "video_top1": 0.5, "video_top5": 1.0, "loss": 1.0},
-    }  # fmt: skip
-    (folder / "final" / "run.json").write_text(json.dumps(record))
-    (folder / "config.yaml").write_text(yaml.safe_dump({"steps": 1}))
-    return folder
+def fake_run(folder: Path, size_mb: int) -> RunDir:
+    """A finished run whose weights are ``size_mb`` MB of random bytes, written by the run directory's own writer."""
+    state = {"weights": torch.randint(0, 256, (size_mb << 20,), dtype=torch.uint8)}
+    metrics = {"clip_top1": 0.5, "clip_top5": 1.0, "video_top1": 0.5, "video_top5": 1.0, "loss": 1.0}
+    metrics.update(split="val", per_class_accuracy={"a": 0.5, "b": 0.5})
+    record = RunRecord(
+        model="videovit-base",
+        architecture={},
+        classes=["a", "b"],
+        input=InputShape(16, 224, 224),
+        crop=None,
+        store="store",
+        data_fingerprint={},
+        metrics={k: metrics[k] for k in HEADLINE_METRICS},
+        metrics_split="val",
+        per_class_accuracy=metrics["per_class_accuracy"],
+        steps=1,
+        world_size=1,
+    )
+    run = RunDir(folder)
+    run.write_config({"steps": 1})
+    run.write_final(state, record, metrics)
+    return run
 
 
 def timed(fn) -> float:
@@ -58,10 +69,10 @@ def main(cfg: Config) -> None:
         work = Path(tmp)
         os.environ.update(HOME=str(work), GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=str(work / ".gitconfig"))
         run = fake_run(work / "run", cfg.size_mb)
-        weights = run / "final" / "model.safetensors"
+        weights = run.weights
         cp = timed(lambda: shutil.copyfile(weights, work / "copy.bin"))
         registry = Registry.init(str(work / "remote.git"))
-        push = timed(lambda: registry.push(run, "big"))
+        push = timed(lambda: registry.push(run.root, "big"))
         pull = timed(lambda: registry.pull(Ref.parse("big@v1"), work / "pulled"))
         _many_versions(registry, work, cfg.versions)
         listing = timed(lambda: registry.versions())
@@ -77,13 +88,23 @@ def main(cfg: Config) -> None:
 def _many_versions(registry: Registry, work: Path, n: int) -> None:
     """n more version branches of one small model, pushed in one go (as many pushes over months would leave)."""
     small = fake_run(work / "small", 1)
-    registry.push(small, "small")
+    registry.push(small.root, "small")
     repo = work / "many"
-    subprocess.run(["git", "clone", "-q", "--bare", registry.remote, str(repo)], check=True, env={**os.environ, "GIT_LFS_SKIP_SMUDGE": "1"})
-    commit = subprocess.run(["git", "rev-parse", "models/small/v1"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(
+        ["git", "clone", "-q", "--bare", registry.remote, str(repo)],
+        check=True,
+        env={**os.environ, "GIT_LFS_SKIP_SMUDGE": "1"},
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "models/small/v1"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
     updates = "".join(f"create refs/heads/models/small/v{v} {commit}\n" for v in range(2, n + 1))
     subprocess.run(["git", "update-ref", "--stdin"], cwd=repo, input=updates, text=True, check=True)
-    subprocess.run(["git", "push", "-q", registry.remote, "refs/heads/models/small/*:refs/heads/models/small/*"], cwd=repo, check=True)
+    subprocess.run(
+        ["git", "push", "-q", registry.remote, "refs/heads/models/small/*:refs/heads/models/small/*"],
+        cwd=repo,
+        check=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of training: memory of each ZeRO stage against the ZeRO paper, and step time against stage 0.
 
-    python jobs/bench_train.py [--ranks 2] [--model videovit-small] [--steps 6]
+    python jobs/bench/train.py [--ranks 2] [--model videovit-small] [--steps 6]
 
 For each ZeRO stage it starts ``--ranks`` processes under mpiexec, trains a few
 bf16 steps with AdamW, and counts the bytes of the tensors each rank holds:
@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 import tyro
 
-FORMULA = {-1: lambda p, n: 16 * p, 0: lambda p, n: 16 * p, 1: lambda p, n: 4 * p + 12 * p / n, 2: lambda p, n: 2 * p + 14 * p / n, 3: lambda p, n: 16 * p / n}
+FORMULA = {
+    -1: lambda p, n: 16 * p,
+    0: lambda p, n: 16 * p,
+    1: lambda p, n: 4 * p + 12 * p / n,
+    2: lambda p, n: 2 * p + 14 * p / n,
+    3: lambda p, n: 16 * p / n,
+}
 # Dense bf16 peak of the accelerators we know, for MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
@@ -118,7 +124,9 @@ def run_ddp(cfg: Config) -> None:
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
-    model = torch.nn.parallel.DistributedDataParallel(arch.build(seed=0).to(device), device_ids=[env.local_rank] if cuda else None)
+    model = torch.nn.parallel.DistributedDataParallel(
+        arch.build(seed=0).to(device), device_ids=[env.local_rank] if cuda else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 10, (cfg.batch,), device=device)
@@ -132,14 +140,25 @@ def run_ddp(cfg: Config) -> None:
             torch.cuda.synchronize()
         if step:
             times.append(time.perf_counter() - start)
-    held = {"parameters": sum(p.untyped_storage().nbytes() for p in model.parameters()),
-            "gradients": sum(p.grad.untyped_storage().nbytes() for p in model.parameters()),
-            "optimizer": sum(t.untyped_storage().nbytes() for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim())}  # fmt: skip
+    held = {
+        "parameters": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+        "gradients": sum(p.grad.untyped_storage().nbytes() for p in model.parameters()),
+        "optimizer": sum(
+            t.untyped_storage().nbytes()
+            for st in optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor) and t.dim()
+        ),
+    }
     gathered = [None] * env.world_size
     torch.distributed.all_gather_object(gathered, held)
     if env.rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        cfg.out.write_text(json.dumps({"stage": "ddp", "parameters": params, "per_rank": gathered, "step_s": sorted(times)[len(times) // 2]}))
+        cfg.out.write_text(
+            json.dumps(
+                {"stage": "ddp", "parameters": params, "per_rank": gathered, "step_s": sorted(times)[len(times) // 2]}
+            )
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -161,11 +180,20 @@ def run_stage(cfg: Config) -> None:
     model = arch.build(seed=0)
     params = sum(p.numel() for p in model.parameters())
     ds = deepspeed_config(
-        ParallelConfig(zero_stage=cfg.stage), env.world_size, cfg.batch, 1, "bf16",
-        {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, None, 1.0, False,
-    )  # fmt: skip
+        ParallelConfig(zero_stage=cfg.stage),
+        env.world_size,
+        cfg.batch,
+        1,
+        "bf16",
+        {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        None,
+        1.0,
+        False,
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=engine.device)
+    clips = torch.randint(
+        0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=engine.device
+    )
     labels = torch.randint(0, 10, (cfg.batch,), device=engine.device)
     counted = None
     times = []
@@ -201,15 +229,39 @@ def main(cfg: Config) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for stage in (-1, 0, 1, 2, 3):
             out = Path(tmp) / f"stage{stage}.json"
-            argv = [*mpiexec_command(cfg.ranks), sys.executable, "-m", "clipforge.jobs.bench_train", "--stage", str(stage), "--out", str(out),
-                    "--model", cfg.model, "--frames", str(cfg.frames), "--size", str(cfg.size), "--batch", str(cfg.batch), "--steps", str(cfg.steps)]  # fmt: skip
+            argv = [
+                *mpiexec_command(cfg.ranks),
+                sys.executable,
+                "-m",
+                "clipforge.jobs.bench.train",
+                "--stage",
+                str(stage),
+                "--out",
+                str(out),
+                "--model",
+                cfg.model,
+                "--frames",
+                str(cfg.frames),
+                "--size",
+                str(cfg.size),
+                "--batch",
+                str(cfg.batch),
+                "--steps",
+                str(cfg.steps),
+            ]
             subprocess.run(argv, check=True, capture_output=True, text=True, env=dict(os.environ, OMPI_MCA_osc="^ucx"))
             results[stage] = json.loads(out.read_text())
     psi = results[0]["parameters"]
     n = cfg.ranks
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"\n{cfg.model}: Ψ = {psi / 1e6:.1f} M parameters, N = {n} ranks, bf16 + AdamW, {cfg.batch} clips of {cfg.frames}x{cfg.size}x{cfg.size} per rank, on {device}\n")
-    print(f"{'stage':<6} {'params':>9} {'grads':>9} {'optim':>9} {'total/rank':>11} {'formula':>9} {'ratio':>6}  {'step s':>7} {'vs stage 0':>10} {'clips/s':>8}")
+    print(
+        f"\n{cfg.model}: Ψ = {psi / 1e6:.1f} M parameters, N = {n} ranks, bf16 + AdamW, {cfg.batch} clips of "
+        f"{cfg.frames}x{cfg.size}x{cfg.size} per rank, on {device}\n"
+    )
+    print(
+        f"{'stage':<6} {'params':>9} {'grads':>9} {'optim':>9} {'total/rank':>11} {'formula':>9} {'ratio':>6}  "
+        f"{'step s':>7} {'vs stage 0':>10} {'clips/s':>8}"
+    )
     for stage, r in results.items():
         label = "ddp" if stage == -1 else str(stage)
         rank0 = r["per_rank"][0]
@@ -217,8 +269,10 @@ def main(cfg: Config) -> None:
         formula = FORMULA[stage](psi, n)
         clips_s = cfg.batch * n / r["step_s"]
         print(
-            f"{label:<6} {rank0['parameters'] / 2**20:8.1f}M {rank0['gradients'] / 2**20:8.1f}M {rank0['optimizer'] / 2**20:8.1f}M "
-            f"{total / 2**20:10.1f}M {formula / 2**20:8.1f}M {total / formula:5.2f}x  {r['step_s']:7.3f} {r['step_s'] / results[0]['step_s']:9.2f}x {clips_s:8.1f}"
+            f"{label:<6} {rank0['parameters'] / 2**20:8.1f}M {rank0['gradients'] / 2**20:8.1f}M "
+            f"{rank0['optimizer'] / 2**20:8.1f}M "
+            f"{total / 2**20:10.1f}M {formula / 2**20:8.1f}M {total / formula:5.2f}x  {r['step_s']:7.3f} "
+            f"{r['step_s'] / results[0]['step_s']:9.2f}x {clips_s:8.1f}"
         )
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     flops = results[0]["flops_per_clip"]

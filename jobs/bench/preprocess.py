@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the preprocess room: every figure beside its limit or peer, measured in one run.
 
-    python jobs/bench_preprocess.py [--videos N] [--work-dir DIR]
+    python jobs/bench/preprocess.py [--videos N] [--work-dir DIR]
 
 On the same videos it measures:
 
@@ -72,7 +72,9 @@ def bare_decode(paths: list[Path], params: ClipParams) -> int:
                         scale = max(params.width / frame.width, params.height / frame.height)
                         w, h = round(frame.width * scale), round(frame.height * scale)
                         img = reformatter.reformat(frame, width=w, height=h, format="rgb24", threads=1).to_ndarray()
-                        img[(h - params.height) // 2 :][: params.height, (w - params.width) // 2 :][:, : params.width].copy()
+                        img[(h - params.height) // 2 :][: params.height, (w - params.width) // 2 :][
+                            :, : params.width
+                        ].copy()
                         taken += 1
                         if taken == params.clip_frames:
                             break
@@ -82,9 +84,26 @@ def bare_decode(paths: list[Path], params: ClipParams) -> int:
 
 def pack_rate(corpus: Path, out: Path, ranks: int) -> float:
     """clips/s that the packing job reports for itself (MPI start-up excluded)."""
-    argv = [*mpiexec_command(ranks), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(corpus), "--out", str(out),
-            "--clip-frames", str(PARAMS.clip_frames), "--frame-stride", str(PARAMS.frame_stride), "--height", str(PARAMS.height),
-            "--width", str(PARAMS.width), "--clips-per-video", str(PARAMS.clips_per_video)]  # fmt: skip
+    argv = [
+        *mpiexec_command(ranks),
+        sys.executable,
+        "-m",
+        "clipforge.jobs.preprocess",
+        "--videos",
+        str(corpus),
+        "--out",
+        str(out),
+        "--clip-frames",
+        str(PARAMS.clip_frames),
+        "--frame-stride",
+        str(PARAMS.frame_stride),
+        "--height",
+        str(PARAMS.height),
+        "--width",
+        str(PARAMS.width),
+        "--clips-per-video",
+        str(PARAMS.clips_per_video),
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, check=True)
     match = re.search(r"\(([\d.]+) clips/s\)", result.stderr)
     assert match, result.stderr[-2000:]
@@ -99,7 +118,9 @@ def main(cfg: Config) -> None:
             rng = np.random.default_rng(0)
             for i in range(cfg.videos):
                 label = synthetic.CLASSES[i % len(synthetic.CLASSES)]
-                spec = synthetic.VideoSpec(label, frames=150, fps=25, width=640, height=360, gop=25, seed=int(rng.integers(1 << 30)))
+                spec = synthetic.VideoSpec(
+                    label, frames=150, fps=25, width=640, height=360, gop=25, seed=int(rng.integers(1 << 30))
+                )
                 synthetic.write_video(corpus / label / f"{i:03d}.mp4", spec)
         paths = sorted(corpus.rglob("*.mp4"))
 
@@ -137,8 +158,11 @@ def main(cfg: Config) -> None:
             ("reader, random clips from the store", reader, "on-the-fly", reader / on_the_fly, ">= 50x"),
             ("on-the-fly decode of the same clips (peer)", on_the_fly, "", None, ""),
         ]
-        print(f"\n{len(paths)} videos of 640x360, 6 s; clips of {PARAMS.clip_frames} frames, stride {PARAMS.frame_stride}, "
-              f"{PARAMS.height}x{PARAMS.width}, {PARAMS.clips_per_video} per video\n")  # fmt: skip
+        print(
+            f"\n{len(paths)} videos of 640x360, 6 s; clips of {PARAMS.clip_frames} frames, stride "
+            f"{PARAMS.frame_stride}, "
+            f"{PARAMS.height}x{PARAMS.width}, {PARAMS.clips_per_video} per video\n"
+        )
         print(f"{'figure':<44} {'clips/s':>9}  {'vs':<11} {'ratio':>7}  goal")
         for name, rate, peer, ratio, goal in rows:
             ratio_text = f"{ratio:6.2f}x" if ratio is not None else ""

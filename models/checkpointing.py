@@ -1,0 +1,66 @@
+"""Saving and resuming a DeepSpeed engine in a run directory's checkpoint index, every rank together."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from clipforge.hpc.distenv import DistEnv
+from clipforge.hpc.errors import UserError
+from clipforge.rundir import CheckpointIndex
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written; the message names the last complete one, which stays valid."""
+
+
+class Checkpointer:
+    """Checkpoints of one engine: saved by every rank, marked complete by rank 0, resumed only when they verify."""
+
+    def __init__(self, engine: Any, index: CheckpointIndex, dist: DistEnv, keep: int) -> None:
+        self.engine, self.index, self.dist, self.keep = engine, index, dist, keep
+
+    def save(self, step: int) -> None:
+        """Save on every rank, then mark the checkpoint complete; only complete ones are ever resumed."""
+        tag = self.index.tag(step)
+        if self.index.is_complete(tag):
+            return
+        try:
+            self.engine.save_checkpoint(str(self.index.folder), tag=tag, client_state={"step": step}, save_latest=False)
+        except (OSError, RuntimeError) as exc:
+            kept = next(iter(self.index.complete()), None)
+            self.index.discard(tag)
+            intact = (
+                f"the last complete checkpoint {kept} is intact: free space and start the job again to resume from it"
+                if kept
+                else "there is no earlier checkpoint"
+            )
+            raise CheckpointError(
+                f"checkpoint {tag} could not be written to {self.index.folder}: {exc}; {intact}"
+            ) from None
+        torch.distributed.barrier()
+        if self.dist.is_main:
+            self.index.mark_complete(tag, step)
+            self.index.prune(self.keep)
+            log.info("checkpoint %s saved", tag)
+        torch.distributed.barrier()
+
+    def resume(self) -> int:
+        """Load the newest checkpoint that verifies; returns its step (0 when there is none)."""
+
+        def skipped(tag: str, why: str) -> None:
+            if self.dist.is_main:
+                log.warning("checkpoint %s is unusable (%s); trying the one before", tag, why)
+
+        tag = self.index.newest_usable(skipped)
+        if tag is None:
+            return 0
+        _, client = self.engine.load_checkpoint(str(self.index.folder), tag=tag)
+        step = int(client["step"])
+        if self.dist.is_main:
+            log.info("resumed from checkpoint %s at step %d (restart %d)", tag, step, self.dist.restart_count)
+        return step

@@ -1,0 +1,90 @@
+"""The checkpoint index of a run: which checkpoints finished saving, which still verify, which is newest.
+
+DeepSpeed writes a checkpoint as a folder of files, one or more per rank. A
+folder counts only once ``complete.json`` is in it: written by rank 0 after
+every rank has saved, with the sha256 of every file. A checkpoint cut short by
+a crash, a full disk or a node failure therefore never looks complete, and one
+changed on disk afterwards fails verification and is passed over.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from clipforge.hpc.files import sha256, write_json
+
+COMPLETE = "complete.json"
+LATEST = "latest.json"
+
+
+class CheckpointIndex:
+    """The ``checkpoints/`` folder of a run directory."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    @staticmethod
+    def tag(step: int) -> str:
+        """The folder name of the checkpoint taken after ``step`` optimizer steps."""
+        return f"step-{step:08d}"
+
+    def path(self, tag: str) -> Path:
+        return self.folder / tag
+
+    def is_complete(self, tag: str) -> bool:
+        return (self.folder / tag / COMPLETE).exists()
+
+    def complete(self) -> list[str]:
+        """Tags of checkpoints that finished saving, newest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted((p.parent.name for p in self.folder.glob(f"step-*/{COMPLETE}")), reverse=True)
+
+    def verify(self, tag: str) -> str | None:
+        """Why a complete checkpoint cannot be used (a file missing or changed), or None."""
+        folder = self.folder / tag
+        try:
+            record = json.loads((folder / COMPLETE).read_text())
+        except (OSError, ValueError) as exc:
+            return f"unreadable completion record: {exc}"
+        for name, digest in record["files"].items():
+            path = folder / name
+            if not path.exists():
+                return f"{name} is missing"
+            if sha256(path) != digest:
+                return f"{name} does not match its checksum"
+        return None
+
+    def newest_usable(self, skipped: Callable[[str, str], None] | None = None) -> str | None:
+        """The newest complete checkpoint that verifies; ``skipped(tag, why)`` hears of each one passed over."""
+        for tag in self.complete():
+            problem = self.verify(tag)
+            if problem is None:
+                return tag
+            if skipped is not None:
+                skipped(tag, problem)
+        return None
+
+    def mark_complete(self, tag: str, step: int) -> None:
+        """Record every file of ``tag`` with its checksum: from now on it can be resumed.
+
+        Rank 0 calls this, after all ranks saved.
+        """
+        folder = self.folder / tag
+        files = {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        write_json(folder / COMPLETE, {"step": step, "files": files})
+        write_json(self.folder / LATEST, {"tag": tag})
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete all but the ``keep`` newest complete checkpoints; returns the deleted tags."""
+        old = self.complete()[keep:]
+        for tag in old:
+            self.discard(tag)
+        return old
+
+    def discard(self, tag: str) -> None:
+        """Remove a checkpoint folder, complete or not (never leave half a checkpoint to fill the disk)."""
+        shutil.rmtree(self.folder / tag, ignore_errors=True)
