@@ -54,6 +54,12 @@ def load_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give the YAML file inside it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path} cannot be read ({exc.__class__.__name__}); give a readable YAML file"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if data is None:

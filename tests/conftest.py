@@ -13,7 +13,7 @@ import pytest
 from clipforge.hpc.cluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from .packing import pack_argv
+from .argv import pack_argv
 
 VENV_BIN = str(Path(sys.executable).parent)
 

@@ -33,6 +33,15 @@ def test_a_broken_yaml_file_is_named(tmp_path: Path) -> None:
         selftest.parse(["--config", str(path)])
 
 
+def test_a_config_path_that_is_a_directory_or_not_text_is_named(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError, match=rf"config file {tmp_path} is a directory"):
+        selftest.parse(["--config", str(tmp_path)])
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(config.ConfigError, match=rf"config file {binary} cannot be read"):
+        selftest.parse(["--config", str(binary)])
+
+
 def test_shipped_profiles_load() -> None:
     assert load_profile("local").executor == "local"
     dev = load_profile("dev")

@@ -20,7 +20,7 @@ from clipforge.preprocess.decode import ClipParams, decode_clips
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
-from .packing import options, pack_argv
+from .argv import options, pack_argv
 
 BROKEN = {"move_left/corrupt.mp4", "move_left/not_a_video.mp4", "move_left/truncated.mp4", "move_left/zero_bytes.mp4"}
 

@@ -21,7 +21,7 @@ from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import worker
 
-from .packing import pack_argv
+from .argv import pack_argv
 
 TINY = [
     "--model.depth",

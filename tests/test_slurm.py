@@ -18,6 +18,8 @@ from clipforge.hpc.launch import run_script
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 
+from .argv import options
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slurm
@@ -87,23 +89,8 @@ def test_a_job_array_is_one_sbatch_with_one_task_per_argument(slurm) -> None:
 
 def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    job = run_script(
-        SELFTEST,
-        [
-            "--cluster",
-            "dev",
-            "--ntasks-per-node",
-            "2",
-            "--wait",
-            "False",
-            "--steps",
-            "30",
-            "--step-seconds",
-            "0.5",
-            "--state-dir",
-            str(state),
-        ],
-    )
+    flags = options(cluster="dev", ntasks_per_node=2, wait=False, steps=30, step_seconds=0.5, state_dir=state)
+    job = run_script(SELFTEST, flags)
     before = _wait_for_step(state / "state.json", 4)
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
     results = job.results()
@@ -116,29 +103,8 @@ def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_
 
 def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    job = run_script(
-        SELFTEST,
-        [
-            "--cluster",
-            "dev",
-            "--ntasks-per-node",
-            "1",
-            "--wait",
-            "False",
-            "--time",
-            "1",
-            "--signal-delay-s",
-            "45",
-            "--max-requeues",
-            "1",
-            "--steps",
-            "100000",
-            "--step-seconds",
-            "0.5",
-            "--state-dir",
-            str(state),
-        ],
-    )
+    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=45, max_requeues=1)
+    job = run_script(SELFTEST, limits + options(steps=100000, step_seconds=0.5, state_dir=state))
     with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
         job.results()
     log = _job_log(job)

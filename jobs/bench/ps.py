@@ -48,43 +48,17 @@ def run_mode(store: Path, run: Path, mode: str, cfg: Config) -> dict:
     started = time.perf_counter()
     for dist in local_world(1 + cfg.trainers):
         env = {**os.environ, **dist.as_environ()}
-        argv = [
-            sys.executable,
-            "-m",
-            "clipforge.jobs.ps_train",
-            "--data.store",
-            str(store),
-            "--run-dir",
-            str(run),
-            "--servers",
-            "1",
-            "--trainers",
-            str(cfg.trainers),
-            "--model.depth",
-            "1",
-            "--model.tubelet",
-            "4",
-            "16",
-            "16",
-            "--server.mode",
-            mode,
-            "--server.staleness",
-            str(cfg.staleness),
-            "--server.optimizer",
-            "adamw",
-            "--server.lr",
-            "0.001",
-            "--trainer.steps",
-            str(cfg.steps),
-            "--trainer.batch",
-            "8",
-            "--trainer.slow-trainer",
-            "1",
-            "--trainer.slow-factor",
-            str(cfg.slow_factor),
-            "--trainer.probe-every",
-            "10",
-        ]
+        run_flags = f"--servers 1 --trainers {cfg.trainers} --model.depth 1 --model.tubelet 4 16 16"
+        server_flags = (
+            f"--server.mode {mode} --server.staleness {cfg.staleness} --server.optimizer adamw --server.lr 0.001"
+        )
+        trainer_flags = (
+            f"--trainer.steps {cfg.steps} --trainer.batch 8 --trainer.slow-trainer 1 "
+            f"--trainer.slow-factor {cfg.slow_factor} --trainer.probe-every 10"
+        )
+        flags = f"{run_flags} {server_flags} {trainer_flags}".split()
+        where = ["--data.store", str(store), "--run-dir", str(run)]
+        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", *where, *flags]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for p in procs:
         if p.wait() != 0:

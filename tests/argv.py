@@ -1,4 +1,4 @@
-"""The packing job's command line, for the tests that pack a store of their own."""
+"""Command lines for the tests: flags from keywords, and the packing job under mpiexec."""
 
 from __future__ import annotations
 
