@@ -164,3 +164,44 @@ def check_mpi_world(comm_size: int, environ: Mapping[str, str] | None = None) ->
             f"Slurm started {slurm_tasks} tasks but MPI sees a world of {comm_size}: "
             "launch with `srun --mpi=pmix` (Open MPI) or `srun --mpi=pmi2` (MPICH), not --mpi=none"
         )
+
+
+def cuda_index(local_rank: int, visible: int) -> int | None:
+    """The CUDA device index this task should use, from the GPUs it can see; None when it sees none.
+
+    Under ``srun --gpus-per-task=1`` (or ``--gpu-bind``) every task sees exactly one GPU,
+    as ``cuda:0`` whatever its local rank; when all the node's GPUs are visible, the
+    local rank picks one. Fewer visible GPUs than that would put two ranks on one GPU.
+    """
+    if visible <= 0:
+        return None
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise LaunchError(
+        f"local rank {local_rank} sees only {visible} GPUs (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): ask for as many GPUs per node as tasks per node, "
+        "or one GPU per task (--gpus-per-task 1)"
+    )
+
+
+def task_device(env: DistEnv):
+    """The torch device of this task, made the current CUDA device before any process group starts."""
+    import torch
+
+    index = cuda_index(env.local_rank, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if index is None:
+        return torch.device("cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def collective_device():
+    """Where a tensor entering a collective must live: the current GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -25,7 +25,7 @@ import submitit
 from submitit.helpers import Checkpointable
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
 
-from .distenv import dist_env
+from .distenv import collective_device, dist_env
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Preemption:
 
         if not (dist.is_available() and dist.is_initialized()):
             return self.flag
-        flag = torch.tensor([1 if self.flag else 0])
+        flag = torch.tensor([1 if self.flag else 0], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -94,7 +94,7 @@ class PipelineLayout:
         from deepspeed.pipe import LayerSpec, PipelineModule
 
         p = t.settings.parallel
-        return PipelineModule(
+        module = PipelineModule(
             layers=[LayerSpec(make, *args) for make, args in t.arch.layers],
             num_stages=p.pipeline_stages,
             loss_fn=t.loss,
@@ -104,6 +104,14 @@ class PipelineLayout:
             seed_fn=torch.manual_seed,
             base_seed=t.settings.seed,
         )
+        # DeepSpeed sums the squared gradient norm over the model-parallel group (here: every stage
+        # of one data-parallel replica) but, Megatron-style, counts a parameter not marked
+        # model-parallel only on model-parallel rank 0, as if it were a tensor-parallel copy. Without
+        # tensor slicing every stage holds parameters of its own, so all of them are marked: the
+        # clipping norm is then the whole model's, as in one process.
+        for param in module.parameters():
+            param.model_parallel = True
+        return module
 
     def data_parallel_rank(self, t: Trainer) -> int:
         return t.engine.grid.data_parallel_id

@@ -16,6 +16,7 @@ holds the model (plain or pipeline) in :mod:`.layout`, checkpoints in
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clipforge.hpc.distenv import DistEnv, setup_distributed
+from clipforge.hpc.distenv import DistEnv, setup_distributed, task_device
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.requeue import Preemption
 from clipforge.preprocess.reader import ClipDataset
@@ -82,9 +83,9 @@ class Trainer:
     def checkpoints(self) -> CheckpointIndex:
         return self.run.checkpoints
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
-        return torch.device("cuda", self.dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        return task_device(self.dist)
 
     # -- setup -----------------------------------------------------------------------
     def _build_engine(self) -> None:
@@ -92,7 +93,7 @@ class Trainer:
 
         s = self.settings
         torch.manual_seed(s.seed)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
         if s.data.class_balance == "loss":
             counts = np.bincount(self.train_set.labels, minlength=len(self.store.classes)).astype(np.float64)

@@ -7,10 +7,13 @@ import pytest
 from clipforge.hpc.distenv import (
     LaunchError,
     check_mpi_world,
+    collective_device,
+    cuda_index,
     dist_env,
     expand_nodelist,
     master_port,
     setup_distributed,
+    task_device,
 )
 from clipforge.hpc.launch import context
 
@@ -100,3 +103,16 @@ def test_an_mpi_world_smaller_than_the_slurm_step_is_refused() -> None:
 )
 def test_a_job_script_knows_where_it_was_started(env: dict, expected: str) -> None:
     assert context(env) == expected
+
+
+def test_a_task_that_sees_one_gpu_uses_cuda_0_and_one_that_sees_all_uses_its_local_rank() -> None:
+    assert cuda_index(local_rank=3, visible=0) is None  # no GPU: the CPU path
+    assert cuda_index(local_rank=3, visible=1) == 0  # srun --gpus-per-task=1 / --gpu-bind: one GPU, always cuda:0
+    assert [cuda_index(r, visible=4) for r in range(4)] == [0, 1, 2, 3]  # all the node's GPUs visible
+    with pytest.raises(LaunchError, match=r"local rank 2 sees only 2 GPUs .*--gpus-per-task 1"):
+        cuda_index(local_rank=2, visible=2)  # two ranks would share a GPU
+
+
+def test_on_a_machine_without_gpus_every_rank_of_a_slurm_step_gets_the_cpu() -> None:
+    dist = dist_env(SLURM_STEP)  # local rank 1
+    assert str(task_device(dist)) == "cpu" and str(collective_device()) == "cpu"

@@ -116,16 +116,16 @@ def _tensors(value, depth: int = 0):
 
 def run_ddp(cfg: Config) -> None:
     """The peer: plain torch DistributedDataParallel with AdamW at fp32 (what DeepSpeed's stages replace)."""
-    from clipforge.hpc.distenv import setup_distributed
+    from clipforge.hpc.distenv import setup_distributed, task_device
     from clipforge.models.builders import architecture
 
     env = setup_distributed()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    device = task_device(env)  # the current GPU is set before NCCL starts
+    cuda = device.type == "cuda"
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
     model = torch.nn.parallel.DistributedDataParallel(
-        arch.build(seed=0).to(device), device_ids=[env.local_rank] if cuda else None
+        arch.build(seed=0).to(device), device_ids=[device.index] if cuda else None
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clips = torch.randint(0, 255, (cfg.batch, cfg.frames, cfg.size, cfg.size, 3), dtype=torch.uint8, device=device)
