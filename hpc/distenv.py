@@ -205,3 +205,19 @@ def collective_device():
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device) -> bool:
+    """Start the default process group of a job of several ranks (NCCL on GPUs, else gloo); False for one rank.
+
+    Call :func:`task_device` first: NCCL binds each rank to the current device.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if env.world_size == 1 or dist.is_initialized():
+        return dist.is_initialized()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    return True

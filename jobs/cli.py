@@ -27,7 +27,9 @@ from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 
-JOB_MODULES = {name: f"clipforge.jobs.{name}" for name in ("selftest", "preprocess", "train", "ps_train")}
+JOB_MODULES = {
+    name: f"clipforge.jobs.{name}" for name in ("selftest", "preprocess", "train", "ps_train", "evaluate", "predict")
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,48 @@
 #!/usr/bin/env python3
-"""Evaluate a finished run (or its final/ weights) on a split of a clip store.
+# fmt: off
+#SBATCH --job-name=clipforge-evaluate
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=60
+#SBATCH --signal=USR2@120
+# fmt: on
+"""Evaluate a finished run (or its final/ weights) on a split of a clip store, over ranks, with multi-view testing.
 
     python jobs/evaluate.py --run runs/videovit-b --store /lustre/scratch/k400 --split test
+    python jobs/evaluate.py --run runs/videovit-b --views.temporal 5 --views.spatial 3 \\
+        --views.source videos --nodes 2 --ntasks-per-node 4 --gpus-per-node 4
+    sbatch jobs/evaluate.py --run runs/videovit-b
 
-Prints clip- and video-level top-1/top-5 and writes ``eval-<split>.json`` into the run.
+Every rank scores every world-size-th video; rank 0 gathers a softmax row per
+video, prints clip(view)- and video-level top-1/top-5 and writes
+``eval-<split>.json`` into the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
-from clipforge.hpc.logs import setup_logging
+import torch
+import tyro
+
+from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
+from clipforge.hpc.launch import JobSpec, Launch, run_script
+from clipforge.hpc.logs import Progress, setup_logging
+from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import load_trained
-from clipforge.models.evaluation import evaluate_model
-from clipforge.preprocess.reader import ClipDataset
-from clipforge.rundir import RunDir
+from clipforge.models.evaluation import evaluate_videos_on_ranks, inference
+from clipforge.models.views import Views
+from clipforge.preprocess.reader import DecodedVideos, StoredVideos
+from clipforge.preprocess.store import ClipStore
+from clipforge.rundir import RunDir, RunRecord
+
+log = logging.getLogger("clipforge.evaluate")
 
 
 @dataclasses.dataclass
@@ -30,31 +55,77 @@ class Config:
     """Clip store to evaluate on; default: the one the run trained on."""
     split: str = "test"
     """Split of the store."""
+    views: Views = dataclasses.field(default_factory=Views)
     batch: int = 16
-    """Clips per forward pass."""
+    """Views per forward pass."""
+    workers: int = 1
+    """Processes per rank reading (or decoding) the next videos while the model runs."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on a GPU, fp32 on CPUs."""
+    videos_root: Path | None = None
+    """Folder of the source videos for --views.source videos; default: the one the store was packed from."""
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(cpus_per_task=2, time="01:00:00", job_name="clipforge-evaluate")
+    )
 
 
 def parse(argv: list[str] | None = None) -> Config:
     return config.parse(Config, argv)
 
 
-def main(cfg: Config) -> dict:
-    setup_logging()
+def prepared(cfg: Config) -> tuple[RunDir, RunRecord, ClipStore, Views]:
+    """The run, its record, the store and the views, each checked: one line for what is wrong."""
     run = RunDir.find(cfg.run)
-    model, record = load_trained(run.root)
-    dataset = ClipDataset(cfg.store or Path(record.store), cfg.split)
-    if dataset.classes != record.classes:
-        raise config.ConfigError(f"the store's classes {dataset.classes} are not the run's {record.classes}")
-    metrics = evaluate_model(model, dataset, cfg.batch, record.crop)
+    record = run.record()
+    store = ClipStore.open(cfg.store or Path(record.store))
+    if store.classes != record.classes:
+        raise config.ConfigError(f"the store's classes {store.classes} are not the run's {record.classes}")
+    StoredVideos(store, cfg.split)  # the split exists
+    if cfg.batch < 1 or cfg.workers < 0:
+        raise config.ConfigError(f"batch must be at least 1 and workers 0 or more, got {cfg.batch} and {cfg.workers}")
+    return run, record, store, cfg.views.check(record.crop, store.params["height"], store.params["width"])
+
+
+def check(cfg: Config) -> None:
+    prepared(cfg)
+
+
+def main(cfg: Config) -> dict | None:
+    env = setup_distributed()
+    setup_logging(env.rank if env.world_size > 1 else None)
+    run, record, store, views = prepared(cfg)
+    device = task_device(env)
+    init_process_group(env, device)
+    model, _ = load_trained(run.root)
+    if views.source == "store":
+        videos = StoredVideos(store, cfg.split, views.temporal)
+    else:
+        videos = DecodedVideos.of_split(store, cfg.split, views.temporal, cfg.videos_root)
+    mine = len(range(env.rank, len(videos), env.world_size))
+    progress = Progress(mine, f"evaluating {cfg.split} ({views.label})", unit="video", enabled=env.is_main)
+    forward = inference(model, device, cfg.precision)
+    metrics = evaluate_videos_on_ranks(
+        forward, videos, record.classes, record.crop, views, cfg.batch, device, cfg.workers, progress.update
+    )
+    progress.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if metrics is None:
+        return None
+    for failure in metrics["failures"]:
+        log.warning("skipped %s", failure)
     out = run.write_evaluation(cfg.split, metrics)
     m = metrics
     print(
-        f"{cfg.split}: {m['clips']} clips of {m['videos']} videos; clip top-1 {m['clip_top1']:.3f} top-5 "
-        f"{m['clip_top5']:.3f}; "
+        f"{cfg.split}: {m['videos']} videos, {m['clips']} views ({m['views']}); "
+        f"clip top-1 {m['clip_top1']:.3f} top-5 {m['clip_top5']:.3f}; "
         f"video top-1 {m['video_top1']:.3f} top-5 {m['video_top5']:.3f} ({out})"
     )
     return metrics
 
 
+SPEC = JobSpec("clipforge.jobs.evaluate", parse, main, check=check)
+
 if __name__ == "__main__":
-    sys.exit(config.guarded(lambda: main(parse()))())
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -1,30 +1,52 @@
 #!/usr/bin/env python3
-"""Classify raw video files with a trained model.
+# fmt: off
+#SBATCH --job-name=clipforge-predict
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=240
+#SBATCH --signal=USR2@120
+# fmt: on
+"""Classify raw video files with a trained model, over ranks; a manifest of millions resumes where it stopped.
 
-    python jobs/predict.py --run runs/videovit-b video1.mp4 video2.mkv --top 3
+    python jobs/predict.py video1.mp4 video2.mkv --run runs/videovit-b --top 3
+    python jobs/predict.py --manifest videos.txt --out predictions.jsonl --run runs/videovit-b \\
+        --views.temporal 5 --views.spatial 3 --nodes 4 --ntasks-per-node 4 --gpus-per-node 4
+    sbatch jobs/predict.py --manifest videos.txt --out predictions.jsonl --run runs/videovit-b
 
 Each video is decoded with the clip parameters recorded in the store the model
-trained on; the softmax of its clips is averaged. A video that cannot be
-decoded gets one line saying why, and the others are still classified.
+trained on (``--views.temporal`` clips spread over it, ``--views.spatial``
+crops of each); the softmax of its views is averaged. With ``--out`` every
+video gets one JSON line, and a rerun skips the videos already written. A
+video that cannot be decoded gets one line saying why, and the others are
+still classified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
-import numpy as np
 import torch
+import tyro
 
-from clipforge.hpc.files import write_json
-from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
+from clipforge.hpc.launch import JobSpec, Launch, run_script
+from clipforge.hpc.logs import Progress, setup_logging
+from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import load_trained
-from clipforge.models.clips import center_crop
-from clipforge.models.evaluation import softmax
-from clipforge.preprocess.decode import ClipParams, VideoError, decode_clips
-from clipforge.rundir import RunRecord
+from clipforge.models.evaluation import inference, one_video, view_logits
+from clipforge.models.prediction import PredictionLog, read_manifest, top_classes
+from clipforge.models.views import Views
+from clipforge.preprocess.decode import ClipParams
+from clipforge.preprocess.reader import DecodedVideos
+from clipforge.rundir import RunDir
+
+log = logging.getLogger("clipforge.predict")
 
 
 @dataclasses.dataclass
@@ -33,12 +55,25 @@ class Config:
 
     videos: tuple[Path, ...] = ()
     """Video files to classify."""
+    manifest: Path | None = None
+    """Also classify the videos listed in this file, one path per line (# starts a comment)."""
     run: Path = Path("runs/train")
     """A finished run directory (or its final/ folder)."""
     top: int = 5
-    """How many classes to print per video."""
-    json_out: Path | None = None
-    """Also write the predictions to this JSON file."""
+    """How many classes to keep per video."""
+    out: Path | None = None
+    """Write one JSON line per video here; a rerun skips the videos it already holds."""
+    views: Views = dataclasses.field(default_factory=Views)
+    batch: int = 16
+    """Views per forward pass."""
+    workers: int = 1
+    """Processes per rank decoding the next videos while the model runs."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on a GPU, fp32 on CPUs."""
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(cpus_per_task=2, time="04:00:00", job_name="clipforge-predict")
+    )
 
 
 def parse(argv: list[str] | None = None) -> Config:
@@ -51,34 +86,79 @@ def parse(argv: list[str] | None = None) -> Config:
     return dataclasses.replace(cfg, videos=tuple(Path(p) for p in positional) + cfg.videos)
 
 
-@torch.no_grad()
-def main(cfg: Config) -> list[dict]:
-    setup_logging()
+def check(cfg: Config) -> None:
+    record = RunDir.find(cfg.run).record()
+    params = ClipParams.recorded(record.data_fingerprint["params"])
+    cfg.views.check(record.crop, params.height, params.width)
+    if not cfg.videos and cfg.manifest is None:
+        raise config.ConfigError("no videos to classify: name video files, or a --manifest listing them")
+    if cfg.manifest is not None:
+        read_manifest(cfg.manifest)
+    if cfg.top < 1 or cfg.batch < 1 or cfg.workers < 0:
+        raise config.ConfigError("top and batch must be at least 1, workers 0 or more")
+
+
+def main(cfg: Config) -> list[dict] | None:
+    env = setup_distributed()
+    setup_logging(env.rank if env.world_size > 1 else None)
+    check(cfg)
+    device = task_device(env)
+    grouped = init_process_group(env, device)
     model, record = load_trained(cfg.run)
-    params = record_clip_params(record)
+    params = ClipParams.recorded(record.data_fingerprint["params"])
+    videos = list(cfg.videos) + (read_manifest(cfg.manifest) if cfg.manifest is not None else [])
+    output = PredictionLog(cfg.out, env.rank) if cfg.out is not None else None
+    done = output.done() if output is not None else set()
+    if grouped:
+        torch.distributed.barrier()  # every rank has read what is done before any writes more
+    todo = [v for v in videos if str(v) not in done]
+    if env.is_main and done:
+        log.info(
+            "%d of %d videos already predicted in %s; %d to go",
+            len(videos) - len(todo),
+            len(videos),
+            cfg.out,
+            len(todo),
+        )
+    mine = todo[env.rank :: env.world_size]
+    loader = torch.utils.data.DataLoader(
+        DecodedVideos(mine, params, cfg.views.temporal),
+        batch_size=None,
+        num_workers=cfg.workers,
+        pin_memory=device.type == "cuda",
+        collate_fn=one_video,
+    )
+    forward = inference(model, device, cfg.precision)
+    progress = Progress(len(mine), "predicting", unit="video", enabled=env.is_main and cfg.out is not None)
     results = []
-    for path in cfg.videos:
-        try:
-            clips = decode_clips(path, params).clips
-        except (VideoError, OSError) as exc:
-            print(f"{path}: cannot classify: {exc}", file=sys.stderr)
-            continue
-        batch = center_crop(torch.from_numpy(np.ascontiguousarray(clips)), record.crop)
-        probs = softmax(model(batch).float().numpy()).mean(axis=0)
-        best = np.argsort(-probs)[: cfg.top]
-        top = [{"class": record.classes[i], "probability": float(probs[i])} for i in best]
-        results.append({"video": str(path), "top": top})
-        print(f"{path}: " + ", ".join(f"{t['class']} {t['probability']:.3f}" for t in top))
-    if cfg.json_out is not None:
-        write_json(cfg.json_out, results)
+    for path, item in zip(mine, loader):
+        if item["error"] is not None:
+            print(f"{path}: cannot classify: {item['error'].removeprefix(f'{path}: ')}", file=sys.stderr)
+            record_line = {"video": str(path), "error": item["error"]}
+        else:
+            logits = view_logits(forward, item["clips"], record.crop, cfg.views, cfg.batch, device)
+            top = top_classes(logits, record.classes, cfg.top)
+            record_line = {"video": str(path), "top": top, "views": len(logits)}
+            if output is None:
+                results.append(record_line)
+                print(f"{path}: " + ", ".join(f"{t['class']} {t['probability']:.3f}" for t in top))
+        if output is not None:
+            output.append(record_line)
+        progress.update(1)
+    progress.close()
+    if output is not None:
+        output.close()
+        if grouped:
+            torch.distributed.barrier()
+        if env.is_main:
+            added = output.merge()
+            log.info("%d videos predicted now, %d lines in %s", added, len(output.done()), cfg.out)
+    if grouped:
+        torch.distributed.destroy_process_group()
     return results
 
 
-def record_clip_params(record: RunRecord) -> ClipParams:
-    """The clip parameters of the store the model trained on (recorded in its data fingerprint)."""
-    fields = {f.name for f in dataclasses.fields(ClipParams)}
-    return ClipParams(**{k: v for k, v in record.data_fingerprint["params"].items() if k in fields})
-
+SPEC = JobSpec("clipforge.jobs.predict", parse, main, check=check)
 
 if __name__ == "__main__":
-    sys.exit(config.guarded(lambda: main(parse()))())
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -79,11 +79,13 @@ class OptimSettings:
     clip_grad: float = 1.0
     """Gradient norm clipping (0: off)."""
 
-    def deepspeed_optimizer(self) -> dict[str, Any]:
-        """The optimizer section of the DeepSpeed config."""
+    def deepspeed_optimizer(self, fused: bool = False) -> dict[str, Any]:
+        """The optimizer section of the DeepSpeed config; ``fused``: torch's one-kernel AdamW (on a GPU)."""
         if self.optimizer == "sgd":
             return {"type": "SGD", "params": {"lr": self.lr, "momentum": 0.9, "weight_decay": self.weight_decay}}
         params = {"lr": self.lr, "weight_decay": self.weight_decay, "betas": [0.9, 0.999], "torch_adam": True}
+        if fused:
+            params["fused"] = True  # DeepSpeed hands what it does not know to torch.optim.AdamW
         return {"type": "AdamW", "params": params}
 
     def deepspeed_scheduler(self, steps: int) -> dict[str, Any]:

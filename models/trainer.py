@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from clipforge.hpc.accelerator import peak
 from clipforge.hpc.distenv import DistEnv, setup_distributed, task_device
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.requeue import Preemption
@@ -41,6 +42,7 @@ from .layout import LAYOUTS, EngineLayout
 from .parallel import deepspeed_config
 from .sampler import StepSampler
 from .settings import TrainSettings, check_settings
+from .throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Trainer:
     engine: Any
     sampler: StepSampler
     checkpointer: Checkpointer
+    throughput: Throughput
     step: int
 
     def __init__(self, settings: TrainSettings, max_requeues: int = 3) -> None:
@@ -104,7 +107,7 @@ class Trainer:
             s.batch_per_rank,
             s.grad_accum,
             s.precision,
-            s.optim.deepspeed_optimizer(),
+            s.optim.deepspeed_optimizer(fused=self.device.type == "cuda" and not s.parallel.offload_optimizer),
             s.optim.deepspeed_scheduler(s.steps),
             s.optim.clip_grad,
             self._has_batchnorm(),
@@ -133,20 +136,27 @@ class Trainer:
 
     # -- data --------------------------------------------------------------------------
     def _batches(self, first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Micro-batches from ``first_step`` on, augmented on the device with per-step seeds."""
+        """Micro-batches from ``first_step`` on, augmented on the device with per-step seeds.
+
+        uint8 clips travel to a GPU from pinned memory without blocking the host; the model
+        normalises them there (its first layer), so the copy is a quarter of a float one.
+        """
         s = self.settings
+        cuda = self.device.type == "cuda"
         loader = torch.utils.data.DataLoader(
             self.train_set,
             batch_sampler=self.sampler.batches(first_step, s.steps),
             num_workers=s.data.workers,
             persistent_workers=False,
             prefetch_factor=4 if s.data.workers else None,
+            pin_memory=cuda,
         )
-        for n, (clips, labels) in enumerate(loader):
+        for n, (clips, labels) in enumerate(self.throughput.timed(loader)):
             step, micro = first_step + n // s.grad_accum, n % s.grad_accum
+            clips, labels = clips.to(self.device, non_blocking=cuda), labels.to(self.device, non_blocking=cuda)
             # Seeded by data-parallel rank: the stages of one pipeline must crop their shared batch alike.
             g = torch.Generator().manual_seed(hash((s.seed, step, micro, self.dp_rank)) % (2**63))
-            yield random_crop_flip(clips.to(self.device), s.data.crop, s.data.flip, g), labels.to(self.device)
+            yield random_crop_flip(clips, s.data.crop, s.data.flip, g), labels
 
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -174,24 +184,20 @@ class Trainer:
         preemption = Preemption(self.max_requeues)
         self.step = self.checkpointer.resume()
         writer = self._tensorboard()
-        clips_per_step = s.batch_per_rank * s.grad_accum * self.dp_size
-        flops = self.arch.flops() if self.arch.flops else None
+        self.throughput = self._throughput_meter()
         progress = Progress(s.steps - self.step, "training", unit="step", enabled=self.dist.is_main)
         batches = self._batches(self.step)
-        window_start, window_steps = time.perf_counter(), 0
+        self.throughput.start()
+        logged = self.step
         while self.step < s.steps:
             torch.manual_seed(s.seed * 1_000_003 + self.step)  # dropout and drop-path repeat after a resume
             loss = self.layout.train_step(self, batches)
             self.step += 1
-            window_steps += 1
+            self.throughput.step_done()
             self._log_train(loss, writer)
             if self.step % s.log_every == 0 or self.step == s.steps:
-                rate = window_steps * clips_per_step / max(time.perf_counter() - window_start, 1e-9)
-                figures = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}", "clips/s": f"{rate:.1f}"}
-                if flops:
-                    figures["TFLOP/s"] = f"{3 * flops * rate / 1e12:.3f}"  # forward + backward ~ 3x forward
-                progress.update(window_steps, **figures)
-                window_start, window_steps = time.perf_counter(), 0
+                progress.update(self.step - logged, **self._log_throughput(loss, writer))
+                logged = self.step
             if self.step < s.steps and self.step % s.checkpoint_every == 0:
                 self.checkpointer.save(self.step)
             if self.step < s.steps and self.step % s.eval_every == 0 and self.layout.evaluates_while_training:
@@ -205,6 +211,21 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def _throughput_meter(self) -> Throughput:
+        s = self.settings
+        flops = self.arch.flops() if self.arch.flops else None
+        # Only rank 0 logs; a device missing from the datasheet table is measured there, once.
+        device_peak = peak(self.device) if flops and self.dist.is_main else None
+        if device_peak is not None:
+            log.info(
+                "MFU against %.1f TFLOP/s per device (%s, %s)",
+                device_peak.tflops,
+                device_peak.device,
+                device_peak.source,
+            )
+        clips_per_step = s.batch_per_rank * s.grad_accum * self.dp_size
+        return Throughput(clips_per_step, flops, device_peak, self.dist.world_size)
 
     # -- outputs -----------------------------------------------------------------------
     def _tensorboard(self):
@@ -223,6 +244,24 @@ class Trainer:
         if writer is not None:
             writer.add_scalar("train/loss", loss, self.step)
             writer.add_scalar("train/lr", self._lr(), self.step)
+
+    def _log_throughput(self, loss: float, writer) -> dict[str, str]:
+        """The figures of the progress line since the last one; also into metrics.jsonl and TensorBoard."""
+        figures = self.throughput.figures()
+        line = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}"}
+        if not self.dist.is_main or not figures:
+            return line
+        line["clips/s"] = f"{figures['clips_per_s']:.1f}"
+        if "tflops" in figures:
+            line["TFLOP/s"] = f"{figures['tflops']:.3f}"
+        if "mfu" in figures:
+            line["MFU"] = f"{figures['mfu']:.1%}"
+        line["data-wait"] = f"{figures['data_wait']:.0%}"
+        self.run.append_metrics({"kind": "throughput", "step": self.step, **figures})
+        if writer is not None:
+            for key, value in figures.items():
+                writer.add_scalar(f"throughput/{key}", value, self.step)
+        return line
 
     def _log_eval(self, metrics: dict[str, Any], writer) -> None:
         if not self.dist.is_main:
@@ -245,7 +284,7 @@ class Trainer:
         """Consolidated fp32 weights, the final evaluation, plots and what the registry needs."""
         state = self.layout.final_state(self, self.checkpoints.tag(self.step))
         metrics = self.layout.final_metrics(self, state)
-        result: dict[str, Any] = {"step": self.step}
+        result: dict[str, Any] = {"step": self.step, "throughput": self.throughput.summary()}
         if self.dist.is_main:
             self._log_eval(metrics, writer)
             if writer is not None:

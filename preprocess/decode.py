@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import av
 import av.video.reformatter
@@ -54,6 +54,11 @@ class ClipParams:
     """A video shorter than one clip: loop it to fill the clip, or skip it."""
     decode_threads: int = 1
     """FFmpeg decoder threads per rank (more helps for large frames when ranks < cores)."""
+
+    @classmethod
+    def recorded(cls, params: dict[str, Any]) -> ClipParams:
+        """The clip parameters among a store's recorded parameters (which also hold codec and shard sizes)."""
+        return cls(**{k: v for k, v in params.items() if k in cls.__dataclass_fields__})
 
     def check(self) -> ClipParams:
         for name in ("clip_frames", "frame_stride", "clips_per_video", "height", "width", "decode_threads"):

@@ -359,6 +359,19 @@ class ClipStore:
             "params": self.params,
         }
 
+    def source_paths(self, video_ids: Iterable[int], root: Path | None = None) -> list[Path]:
+        """Where the source files of ``video_ids`` are: under ``root``, or the corpus root the store was packed from."""
+        if root is None:
+            table = self.root / "videos.json"
+            try:
+                root = Path(json.loads(table.read_text())["root"])
+            except (OSError, ValueError, KeyError):
+                raise StoreError(
+                    f"{table} cannot be read, so the source videos of {self.root} are unknown; "
+                    "name their folder (--videos-root) or take the clips from the store"
+                ) from None
+        return [root / self.videos["path"][int(v)] for v in video_ids]
+
     def read_clip(self, position: int) -> np.ndarray:
         """The clip at ``position``, ``[T, H, W, 3]`` uint8.
 

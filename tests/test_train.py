@@ -130,11 +130,6 @@ def test_a_zero3_runs_consolidated_weights_load_into_the_plain_model_and_evaluat
     )
 
 
-def test_bf16_trains(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
-    train(mpiexec, tiny_store, tmp_path, "--precision", "bf16", "--parallel.zero-stage", "2", steps=6)
-    assert all(np.isfinite(v) for v in losses(tmp_path).values())
-
-
 def test_gradient_accumulation_of_two_equals_a_doubled_batch(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
     train(mpiexec, tiny_store, tmp_path / "accum", "--grad-accum", "2", steps=6)
     train(mpiexec, tiny_store, tmp_path / "double", "--batch-per-rank", "8", steps=6)  # overrides TINY's batch of 4
@@ -317,8 +312,8 @@ def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, t
             str(run),
             "--top",
             "2",
-            "--json-out",
-            str(tmp_path / "p.json"),
+            "--out",
+            str(tmp_path / "p.jsonl"),
         ],
         capture_output=True,
         text=True,
@@ -328,6 +323,7 @@ def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, t
     assert (
         f"{tmp_path / 'broken.mp4'}: cannot classify: cannot open" in result.stderr and "Traceback" not in result.stderr
     )
-    predictions = json.loads((tmp_path / "p.json").read_text())
-    assert [p["video"] for p in predictions] == [str(video)] and len(predictions[0]["top"]) == 2
+    predictions = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [p["video"] for p in predictions] == [str(video), str(tmp_path / "broken.mp4")]
+    assert len(predictions[0]["top"]) == 2 and "error" in predictions[1]
     assert sum(t["probability"] for t in predictions[0]["top"]) <= 1.0 + 1e-6

@@ -1,0 +1,99 @@
+"""What one accelerator can do at best: its dense bf16 peak, for model FLOPs utilisation (MFU).
+
+The peak comes from the vendor's datasheet, looked up by the device's name
+(dense, without sparsity). A device not in the table (a CPU, a GPU newer than
+this file) is measured once, with a large matmul in the precision it trains
+in, and the figure says so: MFU against a measured matmul rate is a ceiling
+the model could reach, not the vendor's number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks, TFLOP/s per device. Longer names first: "H100 PCIe" before "H100",
+# "A100" before "A10", "L40S" before "L40".
+DATASHEET_BF16_TFLOPS: dict[str, float] = {
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "B100": 1750.0,
+    "GH200": 989.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A30": 165.0,
+    "A40": 150.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "MI300X": 1307.0,
+    "MI250X": 383.0,
+    "MI210": 181.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    tflops: float
+    """Peak TFLOP/s of one device."""
+    source: str
+    """"datasheet" or "measured" (a large matmul on this device)."""
+    device: str
+    """The device's name as torch reports it."""
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    threads = torch.get_num_threads()
+    return f"{device.type.upper()} ({threads} thread{'s' if threads > 1 else ''})"
+
+
+def datasheet_tflops(name: str) -> float | None:
+    """The dense bf16 peak of a device by its name, or None when it is not in the table."""
+    for key in sorted(DATASHEET_BF16_TFLOPS, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return DATASHEET_BF16_TFLOPS[key]
+    return None
+
+
+@functools.cache
+def peak(device: torch.device) -> Peak:
+    """The peak of ``device``: from the datasheet when its name is known, else measured once."""
+    name = device_name(device)
+    known = datasheet_tflops(name) if device.type == "cuda" else None
+    if known is not None:
+        return Peak(known, "datasheet", name)
+    return Peak(matmul_tflops(device), "measured", name)
+
+
+def matmul_tflops(device: torch.device, seconds: float = 0.5) -> float:
+    """TFLOP/s of square matmuls on ``device`` (bf16 on a GPU, fp32 on a CPU, where bf16 is emulated)."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: kernel selection, thread pool
+    _sync(device)
+    reps, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        reps += 1
+        if reps % 4 == 0:
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return 2 * n**3 * reps / elapsed / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,101 @@
+"""How busy a training run keeps its accelerators: clips/s, TFLOP/s, MFU and the share of time waiting for data.
+
+The meter times the loop from outside. :meth:`Throughput.timed` wraps the
+loader's iterator and adds up the time the loop spends blocked in it: the
+share of step time the accelerator had nothing to do because the input
+pipeline was behind. Each step ends with the loss read on the host, so wall
+time per step is the accelerator's time too.
+
+The first step (allocator warm-up, kernel selection, compilation) counts in
+the windows the log prints but not in :meth:`summary`, the run's steady rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from clipforge.hpc.accelerator import Peak
+
+T = TypeVar("T")
+
+
+class Throughput:
+    def __init__(self, clips_per_step: int, flops_per_clip: float | None, peak: Peak | None, devices: int) -> None:
+        self.clips_per_step = clips_per_step
+        self.flops_per_clip = flops_per_clip
+        """Forward FLOPs of one clip; training counts forward + backward as three times that."""
+        self.peak = peak
+        self.devices = devices
+        self.waited = 0.0
+        self.window = _Span()
+        self.steady = _Span()
+        self.steps = 0
+
+    def timed(self, items: Iterable[T]) -> Iterator[T]:
+        """``items`` unchanged, with the time spent waiting for each one added to the data-wait figures."""
+        it = iter(items)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - start
+            yield item
+
+    def step_done(self) -> None:
+        """Call after each optimizer step."""
+        now, waited = time.perf_counter(), self.waited
+        self.steps += 1
+        self.window.add(now, waited)
+        if self.steps > 1:
+            self.steady.add(now, waited)
+        elif self.steps == 1:
+            self.steady.start(now, waited)
+
+    def start(self) -> None:
+        now = time.perf_counter()
+        self.window.start(now, self.waited)
+
+    def figures(self) -> dict[str, float]:
+        """The figures of the steps since the last call (the log line), then a new window starts."""
+        out = self._figures(self.window)
+        self.window.start(time.perf_counter(), self.waited)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Steady-state figures of the whole run, without its first step; empty for a run of one step."""
+        out: dict[str, Any] = dict(self._figures(self.steady)) if self.steady.steps else {}
+        if out and self.peak is not None:
+            out.update(peak_tflops=self.peak.tflops, peak_source=self.peak.source, device=self.peak.device)
+        return out
+
+    def _figures(self, span: _Span) -> dict[str, float]:
+        if not span.steps or span.elapsed <= 0:
+            return {}
+        clips_s = span.steps * self.clips_per_step / span.elapsed
+        out = {"clips_per_s": clips_s, "data_wait": min(span.waited / span.elapsed, 1.0)}
+        if self.flops_per_clip:
+            tflops = 3 * self.flops_per_clip * clips_s / 1e12
+            out["tflops"] = tflops
+            if self.peak is not None:
+                out["mfu"] = tflops / (self.peak.tflops * self.devices)
+        return out
+
+
+class _Span:
+    """Steps, wall time and data wait since a start point."""
+
+    def __init__(self) -> None:
+        self.steps, self.elapsed, self.waited = 0, 0.0, 0.0
+        self._t0 = self._w0 = 0.0
+
+    def start(self, now: float, waited: float) -> None:
+        self.steps, self.elapsed, self.waited = 0, 0.0, 0.0
+        self._t0, self._w0 = now, waited
+
+    def add(self, now: float, waited: float) -> None:
+        self.steps += 1
+        self.elapsed, self.waited = now - self._t0, waited - self._w0
