@@ -74,8 +74,8 @@ class PlainLayout:
     def final_state(self, t: Trainer, tag: str) -> dict[str, torch.Tensor]:
         if not t.dist.is_main:
             return {}
-        if t.settings.parallel.zero_stage == 0 and t.settings.precision == "fp32":
-            return {k: v.detach().float().cpu() for k, v in t.engine.module.state_dict().items()}
+        if t.settings.parallel.zero_stage == 0:
+            return _stage0_fp32_state(t)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(t.checkpoints.folder), tag=tag)
@@ -138,6 +138,22 @@ class PipelineLayout:
 
 
 LAYOUTS: dict[str, type[EngineLayout]] = {"plain": PlainLayout, "pipeline": PipelineLayout}
+
+
+def _stage0_fp32_state(t: Trainer) -> dict[str, torch.Tensor]:
+    """Without ZeRO the module holds the weights; at bf16 or fp16 its optimizer holds the fp32 masters.
+
+    DeepSpeed's zero_to_fp32 cannot read a stage-0 checkpoint (it has no parameter shapes), so
+    the masters come from the live optimizer, in the order of the trainable parameters.
+    """
+    state = {k: v.detach().float().cpu() for k, v in t.engine.module.state_dict().items()}
+    masters = [m for group in getattr(t.engine.optimizer, "fp32_groups", None) or [] for m in group]
+    if t.settings.precision != "fp32" and masters:
+        names = [n for n, p in t.engine.module.named_parameters() if p.requires_grad]
+        if len(names) != len(masters):
+            raise RuntimeError(f"{len(masters)} fp32 master weights for {len(names)} trainable parameters")
+        state.update({n: m.detach().float().cpu().view_as(state[n]) for n, m in zip(names, masters)})
+    return state
 
 
 class _Checkpointed(torch.nn.Sequential):

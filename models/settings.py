@@ -123,6 +123,8 @@ class TrainSettings:
     """Log a progress line every N steps."""
     seed: int = 0
     """Seed of sampling, augmentation and initialisation."""
+    compile: bool = False
+    """Compile the model with torch.compile (through DeepSpeed's engine.compile); the first steps are slower."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
     optim: OptimSettings = dataclasses.field(default_factory=OptimSettings)

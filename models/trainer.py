@@ -115,6 +115,8 @@ class Trainer:
         model = self.layout.module(self)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+        if s.compile:
+            self.engine.compile()
         self.dp_rank = self.layout.data_parallel_rank(self)
         balanced = s.data.class_balance == "sampler"
         self.sampler = StepSampler(
@@ -212,6 +214,14 @@ class Trainer:
     def _lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def _peak_memory_gib(self) -> float:
+        """The most GPU memory this rank's tensors held (on CPUs: the process's peak resident size)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
     def _throughput_meter(self) -> Throughput:
         s = self.settings
         flops = self.arch.flops() if self.arch.flops else None
@@ -282,10 +292,12 @@ class Trainer:
 
     def _finish(self, writer) -> dict[str, Any]:
         """Consolidated fp32 weights, the final evaluation, plots and what the registry needs."""
+        summary = {**self.throughput.summary(), "peak_memory_gib": self._peak_memory_gib()}
         state = self.layout.final_state(self, self.checkpoints.tag(self.step))
         metrics = self.layout.final_metrics(self, state)
-        result: dict[str, Any] = {"step": self.step, "throughput": self.throughput.summary()}
+        result: dict[str, Any] = {"step": self.step, "throughput": summary}
         if self.dist.is_main:
+            self.run.append_metrics({"kind": "summary", "step": self.step, **summary})
             self._log_eval(metrics, writer)
             if writer is not None:
                 writer.close()

@@ -280,7 +280,7 @@ def read_errors(store: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def write_videos(store: Path, table: list[dict[str, Any]]) -> None:
+def write_videos(store: Path, table: dict[str, Any]) -> None:
     """The scanned video table (ids are positions in it), kept for reruns."""
     write_text(Path(store) / "videos.json", json.dumps(table))
 
@@ -365,7 +365,7 @@ class ClipStore:
             table = self.root / "videos.json"
             try:
                 root = Path(json.loads(table.read_text())["root"])
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):  # TypeError: a store with no source files
                 raise StoreError(
                     f"{table} cannot be read, so the source videos of {self.root} are unknown; "
                     "name their folder (--videos-root) or take the clips from the store"

@@ -10,6 +10,7 @@ than a clip) and broken ones can be added.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import struct
 from pathlib import Path
@@ -154,3 +155,45 @@ def add_broken_files(root: Path, label: str) -> list[Path]:
         (folder / name).write_bytes(content)
         paths.append(folder / name)
     return paths
+
+
+def write_store(
+    out: Path,
+    videos_per_class: int = 4,
+    clip_frames: int = 16,
+    size: int = 224,
+    clips_per_video: int = 2,
+    val_every: int = 4,
+    seed: int = 0,
+) -> Path:
+    """A clip store of rendered videos, written directly (no encoding, no MPI): for checks on a bare machine.
+
+    Every ``val_every``-th video of a class and its last go to ``val``, the rest to ``train``. There are no
+    source files: the store's clips are all there is to evaluate.
+    """
+    from .decode import ClipParams
+    from .store import ShardWriter, write_index, write_params, write_videos
+
+    params = ClipParams(
+        clip_frames=clip_frames, frame_stride=1, clips_per_video=clips_per_video, height=size, width=size
+    )
+    write_params(out, {**dataclasses.asdict(params), "codec": "raw", "jpeg_quality": 90}, overwrite=True)
+    writer = ShardWriter(out, 0, (clip_frames, size, size), "raw")
+    rng = np.random.default_rng(seed)
+    videos = []
+    frames = clip_frames * (clips_per_video + 1)
+    for label, name in enumerate(CLASSES):
+        for i in range(videos_per_class):
+            spec = VideoSpec(name, frames=frames, width=size, height=size, seed=int(rng.integers(1 << 30)))
+            rendered = render_frames(spec)
+            starts = [k * clip_frames for k in range(clips_per_video)]
+            clips = np.stack([rendered[s : s + clip_frames] for s in starts])
+            info = {"fps": float(spec.fps), "duration": frames / spec.fps, "frames": frames, "status": "ok"}
+            writer.add_video(len(videos), label, clips, [s / spec.fps for s in starts], info)
+            split = "val" if i % val_every == val_every - 1 or i == videos_per_class - 1 else "train"
+            videos.append({"path": f"{name}/{name}_{i:03d}", "label": label, "split": split, **info})
+            videos[-1]["num_clips"] = clips_per_video
+    marker = writer.commit()
+    write_videos(out, {"root": None, "classes": CLASSES, "videos": videos})
+    write_index(out, videos, CLASSES, json.loads((Path(out) / "params.json").read_text()), [marker])
+    return Path(out)
