@@ -146,6 +146,7 @@ def main(cfg: Config) -> list[dict] | None:
             output.append(record_line)
         progress.update(1)
     progress.close()
+    log.info("%d videos classified on this rank", len(mine))
     if output is not None:
         output.close()
         if grouped:

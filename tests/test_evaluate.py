@@ -170,3 +170,24 @@ def test_a_prediction_log_cuts_a_partial_line_and_merges_each_video_once(tmp_pat
     log.append({"video": "c", "top": []})
     assert log.merge() == 1
     assert [json.loads(line)["video"] for line in out.read_text().splitlines()] == ["a", "c"]
+
+
+@pytest.mark.slurm
+def test_sbatch_of_predict_spreads_a_manifest_over_two_slurm_tasks(
+    slurm, cropped_run: Path, tiny_store: Path, tmp_path: Path
+) -> None:
+    manifest = manifest_of(tiny_store, tmp_path / "videos", copies=1)
+    out = tmp_path / "predictions.jsonl"
+    script = Path(__file__).resolve().parents[1] / "jobs" / "predict.py"
+    result = subprocess.run(
+        ["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'slurm-%j.out'}", str(script)]
+        + ["--manifest", str(manifest), "--out", str(out), "--run", str(cropped_run), "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert result.returncode == 0, result.stderr + log[-3000:]
+    assert "re-launching under srun with 2 tasks" in log and "[rank 1] INFO clipforge.predict: " in log
+    wanted = [line for line in manifest.read_text().splitlines() if not line.startswith("#")]
+    assert sorted(json.loads(line)["video"] for line in out.read_text().splitlines()) == sorted(wanted)

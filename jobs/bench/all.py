@@ -90,6 +90,9 @@ def main(cfg: Config) -> None:
                 ["--model", "videovit-base", "--frames", "16", "--size", "224", "--batch", "8", "--ranks", gpus],
             )
         )
+        benchmarks.append(
+            ("GPU check: the Trainer at ZeRO 0, 2, 3, resume, evaluation", "clipforge.jobs.gpu_check", [])
+        )
     for title, module, args in benchmarks:
         print(f"==> {title}", file=sys.stderr, flush=True)
         started = time.perf_counter()
@@ -110,6 +113,14 @@ def main(cfg: Config) -> None:
             "",
         ]
         print(body, flush=True)
+    if not cfg.gpu:
+        sections += [
+            "## GPU",
+            "",
+            "Not measured: this machine has no accelerator. On a GPU node, `python jobs/bench/all.py --gpu` adds",
+            "VideoViT-B at bf16 (MFU per ZeRO stage) and the device check (`python jobs/gpu_check.py`).",
+            "",
+        ]
     cfg.out.write_text("\n".join(sections))
     print(f"\nwritten to {cfg.out}", file=sys.stderr)
 

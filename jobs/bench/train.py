@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import tyro
 
+from clipforge.hpc.accelerator import datasheet_tflops
+
 FORMULA = {
     -1: lambda p, n: 16 * p,
     0: lambda p, n: 16 * p,
@@ -34,8 +36,6 @@ FORMULA = {
     2: lambda p, n: 2 * p + 14 * p / n,
     3: lambda p, n: 16 * p / n,
 }
-# Dense bf16 peak of the accelerators we know, for MFU.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 @dataclasses.dataclass
@@ -274,7 +274,7 @@ def main(cfg: Config) -> None:
             f"{total / 2**20:10.1f}M {formula / 2**20:8.1f}M {total / formula:5.2f}x  {r['step_s']:7.3f} "
             f"{r['step_s'] / results[0]['step_s']:9.2f}x {clips_s:8.1f}"
         )
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    peak = datasheet_tflops(device) if device != "CPU" else None
     flops = results[0]["flops_per_clip"]
     if peak and flops:
         achieved = 3 * flops * cfg.batch * n / results[0]["step_s"] / 1e12
