@@ -1,10 +1,15 @@
-"""A real single-node Slurm cluster on this host, for development and tests.
+"""A real Slurm cluster on this host, of one node or several, for development and tests.
 
 ``clipforge cluster up`` installs what is missing from Debian, writes a config
 under one directory, and starts munged, MariaDB + slurmdbd (for ``sacct``),
 slurmctld and slurmd by hand (the machines we develop on have no systemd).
 Everything it starts is recorded as a pid file in that directory, so ``down``
 stops exactly what ``up`` started, and ``up`` is idempotent.
+
+With ``--nodes N`` (2 to 9) every node ``n1..nN`` is a slurmd in its own
+network namespace, with its own hostname and address (:mod:`.nodes`), and
+slurmctld runs on the host: jobs span nodes for real, their ranks find each
+other over the nodes' addresses, and a node can be killed as a crash would.
 
 Clients find the cluster through ``SLURM_CONF``; without it every command
 fails with "DNS SRV lookup failed".
@@ -24,11 +29,13 @@ import time
 from pathlib import Path
 
 from .errors import UserError
+from .nodes import NodeNetwork
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path(os.environ.get("CLIPFORGE_CLUSTER_DIR", "/tmp/clipforge-slurm"))
 DEBIAN_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "libpmix-dev"]
+NODE_PACKAGES = ["iproute2", "util-linux"]  # ip, nsenter, unshare: the nodes of a multi-node cluster
 ACCOUNTING_PACKAGES = ["slurmdbd", "mariadb-server"]
 # Each daemon, in start order; "down" stops them in reverse.
 DAEMONS = ["munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd"]
@@ -53,6 +60,10 @@ class LocalCluster:
     dbd_port: int = 6819
     mysql_port: int = 3316
     name: str = "clipforge"
+    nodes: int = 1
+    """Nodes of the cluster: 1 is the host itself; 2-9 are network namespaces n1..nN on it."""
+    subnet: str = "10.77.0"
+    """The nodes' /24 when there are several (host .1, node K .1K)."""
 
     # -- paths ---------------------------------------------------------------
     @property
@@ -74,6 +85,22 @@ class LocalCluster:
         return self.root / "log" / f"{daemon}.log"
 
     @property
+    def network(self) -> NodeNetwork:
+        return NodeNetwork(self.nodes, subnet=self.subnet)
+
+    @property
+    def hosts_file(self) -> Path:
+        """The ``/etc/hosts`` every node sees: the controller and the nodes by name."""
+        return self.root / "etc" / "hosts.nodes"
+
+    @property
+    def node_names(self) -> list[str]:
+        return self.network.names if self.nodes > 1 else [socket.gethostname().split(".")[0]]
+
+    def _slurmd_daemons(self) -> list[str]:
+        return [f"slurmd-{n}" for n in self.network.names] if self.nodes > 1 else ["slurmd"]
+
+    @property
     def env(self) -> dict[str, str]:
         """What a client needs in its environment to talk to this cluster."""
         return {"SLURM_CONF": str(self.conf)}
@@ -81,23 +108,55 @@ class LocalCluster:
     # -- lifecycle -------------------------------------------------------------
     def up(self) -> None:
         """Install, configure and start whatever is not yet running."""
-        install_packages(DEBIAN_PACKAGES + (ACCOUNTING_PACKAGES if self.accounting else []))
-        for sub in ("etc", "state", "spool", "log", "run"):
+        self._refuse_other_shape()
+        nodes = NODE_PACKAGES if self.nodes > 1 else []
+        install_packages(DEBIAN_PACKAGES + nodes + (ACCOUNTING_PACKAGES if self.accounting else []))
+        if self.nodes > 1:
+            self.network.check_host()
+        for sub in ("etc", "state", "spool", "log", "run", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "etc" / "nodes").write_text(str(self.nodes))
         self._start_munged()
         if self.accounting:
             self._start_mariadb()
             self._start_slurmdbd()
         self._write_slurm_conf()
+        if self.nodes > 1:
+            self.network.up(self.hosts_file, socket.gethostname().split(".")[0])
         self._start("slurmctld", ["slurmctld", "-f", str(self.conf)])
         self._wait_for(lambda: self._client_ok(["scontrol", "ping"]), "slurmctld", timeout=30)
-        self._start("slurmd", ["slurmd", "-f", str(self.conf)])
+        if self.nodes == 1:
+            self._start("slurmd", ["slurmd", "-f", str(self.conf)])
+        else:
+            for node in self.network.names:
+                self._start_node(node)
         self._wait_for(self._node_ready, "slurmd", timeout=60)
-        log.info("Slurm cluster %r is up: export SLURM_CONF=%s", self.name, self.conf)
+        log.info("Slurm cluster %r is up with %d node(s): export SLURM_CONF=%s", self.name, self.nodes, self.conf)
+
+    def _start_node(self, node: str) -> None:
+        if self._pid(f"slurmd-{node}"):
+            return
+        for sub in ("spool", "tmp"):
+            (self.root / sub / node).mkdir(parents=True, exist_ok=True)
+        self._clear_stale_steps(self.root / "spool" / node)
+        command = ["slurmd", "-f", str(self.conf), "-N", node]
+        self.network.start(node, command, self.hosts_file, self.log_file(f"slurmd-{node}-start"))
+        self._wait_for(lambda: self._pid(f"slurmd-{node}") is not None, f"slurmd-{node}", timeout=20)
+
+    def start_node(self, node: str) -> None:
+        """Start node ``node``'s slurmd again (after :meth:`kill_node`); Slurm returns it to service."""
+        self._start_node(node)
+
+    def kill_node(self, node: str) -> list[int]:
+        """Crash node ``node`` for real: SIGKILL its slurmd and every step and task on it; returns their pids."""
+        if self.nodes == 1:
+            raise ClusterError("kill_node needs a multi-node cluster (clipforge cluster up --nodes N)")
+        return self.network.kill(node)
 
     def down(self) -> None:
-        """Stop every daemon that ``up`` started (state stays for the next ``up``)."""
-        for daemon in reversed(DAEMONS):
+        """Stop every daemon that ``up`` started, and the nodes' network (state stays for the next ``up``)."""
+        slurmds = self._slurmd_daemons() if self.recorded_nodes() == self.nodes else []
+        for daemon in [*slurmds, *reversed([d for d in DAEMONS if d != "slurmd"])]:
             pid = self._pid(daemon)
             if pid is None:
                 continue
@@ -111,11 +170,42 @@ class LocalCluster:
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
             self.pid_file(daemon).unlink(missing_ok=True)
+        if self.nodes > 1:
+            self.network.down()
+            for node in self.network.names:
+                self._clear_stale_steps(self.root / "spool" / node)
 
     def status(self) -> dict[str, bool]:
-        """Which daemons are running, by name."""
+        """Which daemons are running, by name (one slurmd per node)."""
         wanted = DAEMONS if self.accounting else [d for d in DAEMONS if d not in ("mariadbd", "slurmdbd")]
+        wanted = [d for d in wanted if d != "slurmd"] + self._slurmd_daemons()
         return {d: self._pid(d) is not None for d in wanted}
+
+    def recorded_nodes(self) -> int:
+        """How many nodes the cluster in this folder was last brought up with."""
+        try:
+            return int((self.root / "etc" / "nodes").read_text())
+        except (FileNotFoundError, ValueError):
+            return 1
+
+    def _refuse_other_shape(self) -> None:
+        recorded = self.recorded_nodes()
+        if recorded != self.nodes and self._pid("slurmctld"):
+            raise ClusterError(
+                f"a {recorded}-node cluster is running in {self.root}; stop it first (clipforge cluster down"
+                f"{f' --nodes {recorded}' if recorded > 1 else ''})"
+            )
+
+    @staticmethod
+    def _clear_stale_steps(spool: Path) -> None:
+        """Step sockets and PMIx folders of steps that died with their node stop a new slurmd's steps."""
+        if not spool.is_dir():
+            return
+        for stale in [*spool.glob("*.socket"), *spool.glob("pmix.*")]:
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
     def is_up(self) -> bool:
         return all(self.status().values()) and self._node_ready()
@@ -243,9 +333,10 @@ class LocalCluster:
     # -- config ------------------------------------------------------------------
     def _write_slurm_conf(self) -> None:
         host = socket.gethostname().split(".")[0]
+        multi = self.nodes > 1
         settings: dict[str, object] = dict(
             ClusterName=self.name,
-            SlurmctldHost=host,
+            SlurmctldHost=f"{host}({self.network.host_address})" if multi else host,
             SlurmctldPort=self.ctld_port,
             SlurmdPort=self.slurmd_port,
             SlurmUser="root",
@@ -255,11 +346,12 @@ class LocalCluster:
             # cred_expire=5: a requeued job restarts in ~7 s instead of ~140 s.
             AuthInfo=f"socket={self.munge_socket},cred_expire=5",
             StateSaveLocation=self.root / "state",
-            SlurmdSpoolDir=self.root / "spool",
+            # %n: each node's own spool, pid and log file; they share the host's filesystem.
+            SlurmdSpoolDir=self.root / "spool" / ("%n" if multi else ""),
             SlurmctldPidFile=self.pid_file("slurmctld"),
-            SlurmdPidFile=self.pid_file("slurmd"),
+            SlurmdPidFile=self.pid_file("slurmd-%n" if multi else "slurmd"),
             SlurmctldLogFile=self.log_file("slurmctld"),
-            SlurmdLogFile=self.log_file("slurmd"),
+            SlurmdLogFile=self.log_file("slurmd-%n" if multi else "slurmd"),
             # No cgroups in our containers: track processes by their parent pids.
             ProctrackType="proctrack/linuxproc",
             TaskPlugin="task/none",
@@ -278,6 +370,18 @@ class LocalCluster:
             InactiveLimit=0,
             JobAcctGatherType="jobacct_gather/none",
         )
+        if multi:
+            settings.update(
+                # PMIx makes a per-job folder under TmpFS; with a shared /tmp the second node
+                # fails with 'Cannot create directory "/tmp/spmix_appdir_...": File exists'.
+                TmpFS=self.root / "tmp" / "%n",
+                # A dead node is NOT_RESPONDING after ~8 s and DOWN (its jobs requeued) after
+                # ~15 s; lower values do not help: each ping round takes about 7 s.
+                SlurmdTimeout=5,
+                MessageTimeout=5,
+                KillWait=2,
+                SchedulerParameters="sched_interval=2",
+            )
         if self.accounting:
             settings.update(
                 AccountingStorageType="accounting_storage/slurmdbd",
@@ -288,10 +392,11 @@ class LocalCluster:
                 # AccountingStorageEnforce=none is fatal on 22.05: leave it out.
             )
         text = _lines(**settings)
+        names, addresses = self.network.node_range() if multi else (host, "127.0.0.1")
         text += (
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN\n"
-            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP\n"
-            f"PartitionName=batch Nodes={host} Default=NO MaxTime=INFINITE State=UP\n"
+            f"NodeName={names} NodeAddr={addresses} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN\n"
+            f"PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP\n"
+            f"PartitionName=batch Nodes={names} Default=NO MaxTime=INFINITE State=UP\n"
         )
         self.conf.write_text(text)
 

@@ -1,6 +1,6 @@
 """``clipforge``: one command line over the rooms.
 
-clipforge cluster up|down|status|env     a single-node Slurm on this host
+clipforge cluster up|down|status|env     a Slurm cluster on this host (--nodes N: N nodes)
 clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
 clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
 clipforge jobs sbatch-lines              #SBATCH lines for given resources
@@ -50,9 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(metavar="COMMAND")
 
-    cluster = sub.add_parser("cluster", help="start, stop or inspect the single-node Slurm cluster on this host")
+    cluster = sub.add_parser("cluster", help="start, stop or inspect the Slurm cluster on this host (--nodes N)")
     cluster.add_argument("action", choices=["up", "down", "status", "env"])
     cluster.add_argument("--no-accounting", action="store_true", help="skip slurmdbd and MariaDB (sacct will not work)")
+    cluster.add_argument(
+        "--nodes", type=int, help="up: 1 (default), this host is the node; 2-9: nodes n1..nN in network namespaces"
+    )
+    cluster.add_argument("--subnet", default="10.77.0", help="the nodes' /24 when there are several (default 10.77.0)")
     cluster.set_defaults(func=_cluster)
 
     jobs = sub.add_parser("jobs", help="run job modules and follow submitted jobs")
@@ -162,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cluster(args: argparse.Namespace, rest: list[str]) -> int:
-    cluster = LocalCluster(accounting=not args.no_accounting)
+    # down, status and env act on the cluster as it was brought up.
+    nodes = args.nodes or (1 if args.action == "up" else LocalCluster().recorded_nodes())
+    cluster = LocalCluster(accounting=not args.no_accounting, nodes=nodes, subnet=args.subnet)
     if args.action == "up":
         cluster.up()
         print(f"export SLURM_CONF={cluster.conf}")

@@ -79,10 +79,13 @@ def main(cfg: Config) -> dict:
         value = torch.tensor([env.rank + 1.0])
         dist.all_reduce(value)
         log.info(
-            "rank %d of %d on %s: all_reduce gave %g (source %s)",
+            "rank %d of %d (local rank %d) on %s, master %s:%d: all_reduce gave %g (source %s)",
             env.rank,
             env.world_size,
+            env.local_rank,
             socket.gethostname(),
+            env.master_addr,
+            env.master_port,
             value.item(),
             env.source,
         )

@@ -229,7 +229,7 @@ class Trainer:
         device_peak = peak(self.device) if flops and self.dist.is_main else None
         if device_peak is not None:
             log.info(
-                "MFU against %.1f TFLOP/s per device (%s, %s)",
+                "MFU against %.3g TFLOP/s per device (%s, %s)",
                 device_peak.tflops,
                 device_peak.device,
                 device_peak.source,

@@ -30,6 +30,32 @@ def slurm() -> LocalCluster:
     return cluster
 
 
+@pytest.fixture(scope="session")
+def multinode() -> LocalCluster:
+    """A 3-node Slurm cluster on this host (nodes n1..n3 in network namespaces), beside the single-node one.
+
+    Its own folder, ports and address range, so both run at once; taken down at the end of the session.
+    Clients reach it with ``env=multinode_env(cluster)``, never through os.environ.
+    """
+    cluster = LocalCluster(
+        root=Path("/tmp/clipforge-slurm-3n"),
+        nodes=3,
+        name="clipforge3n",
+        ctld_port=6827,
+        dbd_port=6829,
+        mysql_port=3326,
+        subnet="10.77.0",
+    )
+    cluster.up()
+    yield cluster
+    cluster.down()
+
+
+def multinode_env(cluster: LocalCluster) -> dict[str, str]:
+    """The environment of a client of ``cluster``: its SLURM_CONF, and this virtual environment's python first."""
+    return dict(os.environ, **cluster.env, PATH=f"{VENV_BIN}:{os.environ['PATH']}")
+
+
 @pytest.fixture(autouse=True)
 def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test's submitit job folders live in its own temporary directory."""

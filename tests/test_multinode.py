@@ -1,0 +1,149 @@
+"""Jobs across nodes, and a node that dies mid-run, on a real 3-node Slurm cluster on this host."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.distenv import free_port
+
+from .conftest import multinode_env
+from .test_train import TINY, losses
+
+pytestmark = pytest.mark.slurm
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 40
+
+
+def train_args(store: Path, run: Path) -> list[str]:
+    return [
+        "--data.store",
+        str(store),
+        "--run-dir",
+        str(run),
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "1000",
+        "--checkpoint-every",
+        "10",
+        "--parallel.zero-stage",
+        "2",
+        *TINY,
+    ]
+
+
+def sbatch_train(cluster: LocalCluster, store: Path, run: Path, *extra: str) -> str:
+    """Submit a 2-node x 2-task training job; returns its id."""
+    argv = ["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", f"--output={run.parent / (run.name + '.out')}"]
+    argv += [*extra, str(REPO / "jobs" / "train.py"), *train_args(store, run)]
+    result = subprocess.run(argv, capture_output=True, text=True, env=multinode_env(cluster), check=True)
+    return result.stdout.strip().split(";")[0]
+
+
+def wait_for_job(cluster: LocalCluster, job: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    env = multinode_env(cluster)
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, env=env)
+        if not state.stdout.strip():
+            return
+        time.sleep(1)
+    raise AssertionError(f"job {job} still queued or running after {timeout:.0f} s")
+
+
+def wait_for(ready, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def two_node_run(multinode: LocalCluster, tiny_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("two-nodes") / "run"
+    job = sbatch_train(multinode, tiny_store, run)
+    wait_for_job(multinode, job)
+    log = (run.parent / "run.out").read_text()
+    assert (run / "final" / "model.safetensors").exists(), log[-3000:]
+    return run
+
+
+def test_srun_over_three_nodes_gives_one_master_distinct_ranks_and_local_ranks_per_node(
+    multinode: LocalCluster,
+) -> None:
+    result = subprocess.run(
+        ["srun", "-N3", "--ntasks-per-node=2", sys.executable, "-m", "clipforge.jobs.selftest"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=multinode_env(multinode),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    pattern = re.compile(r"rank (\d+) of 6 \(local rank (\d+)\) on (\w+), master (\w+):\d+: all_reduce gave (\S+)")
+    seen = {int(m[1]): (int(m[2]), m[3], m[4], m[5]) for m in pattern.finditer(result.stderr)}
+    assert sorted(seen) == list(range(6))
+    assert {rank: (local, host) for rank, (local, host, _, _) in seen.items()} == {
+        0: (0, "n1"),
+        1: (1, "n1"),
+        2: (0, "n2"),
+        3: (1, "n2"),
+        4: (0, "n3"),
+        5: (1, "n3"),
+    }
+    assert {master for _, _, master, _ in seen.values()} == {"n1"}  # the first node of the step's node list
+    assert {total for _, _, _, total in seen.values()} == {"21"}  # 1 + 2 + ... + 6 over every node
+
+
+def test_sbatch_of_training_on_two_nodes_trains_like_four_ranks_on_one(
+    two_node_run: Path, mpiexec, tiny_store: Path, tmp_path: Path
+) -> None:
+    log = (two_node_run.parent / "run.out").read_text()
+    assert "re-launching under srun with 4 tasks" in log
+    one_node = tmp_path / "one-node"
+    argv = [*mpiexec, "-n", "4", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
+    result = subprocess.run([*argv, *train_args(tiny_store, one_node)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = losses(two_node_run), losses(one_node)
+    assert sorted(a) == list(range(1, STEPS + 1))
+    assert all(abs(a[s] - b[s]) < 1e-3 for s in a), (a, b)
+
+
+def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_run(
+    multinode: LocalCluster, two_node_run: Path, tiny_store: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    job = sbatch_train(multinode, tiny_store, run, "--requeue", "--open-mode=append")
+    env = multinode_env(multinode)
+    wait_for(lambda: (run / "checkpoints" / "step-00000010" / "complete.json").exists(), "the first checkpoint")
+    nodes = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, env=env).stdout
+    victim = "n2" if "2" in nodes else "n3"
+    killed = multinode.kill_node(victim)  # slurmd, slurmstepd and the job's tasks on it, by pid
+    assert killed
+    try:
+        wait_for_job(multinode, job, timeout=300)
+    finally:
+        multinode.start_node(victim)  # ReturnToService=2: the node is IDLE again at once
+    log = (tmp_path / "run.out").read_text()
+    assert "resumed from checkpoint step-000000" in log and "(restart 1)" in log, log[-3000:]
+    assert f"Node failure on {victim}" in log or "NODE_FAIL" in log or "node failure" in log.lower(), log[-3000:]
+    # Nothing lost: every step is there, and the resumed steps are those of the run that never stopped.
+    assert losses(run) == losses(two_node_run)
+    assert (run / "final" / "model.safetensors").exists()
+
+
+def test_a_host_that_cannot_make_the_nodes_is_refused_in_one_line() -> None:
+    from clipforge.hpc.errors import UserError
+    from clipforge.hpc.nodes import NodeNetwork
+
+    with pytest.raises(UserError, match="2 to 9 nodes") as too_many:
+        NodeNetwork(12).check_host()
+    with pytest.raises(UserError, match="already in use on this host; choose another with --subnet") as taken:
+        NodeNetwork(3, prefix="cfx", subnet="127.0.0").check_host()  # lo holds 127.0.0.1
+    assert "\n" not in str(too_many.value) + str(taken.value)
