@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -39,10 +40,18 @@ def train_args(store: Path, run: Path) -> list[str]:
     ]
 
 
-def sbatch_train(cluster: LocalCluster, store: Path, run: Path, *extra: str) -> str:
-    """Submit a 2-node x 2-task training job; returns its id."""
-    argv = ["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", f"--output={run.parent / (run.name + '.out')}"]
-    argv += [*extra, str(REPO / "jobs" / "train.py"), *train_args(store, run)]
+def sbatch_train(
+    cluster: LocalCluster,
+    store: Path,
+    run: Path,
+    *sbatch: str,
+    train: tuple[str, ...] = (),
+    tasks_per_node: int = 2,
+) -> str:
+    """Submit a 2-node training job; returns its id."""
+    argv = ["sbatch", "--parsable", "-N2", f"--ntasks-per-node={tasks_per_node}"]
+    argv += [f"--output={run.parent / (run.name + '.out')}", *sbatch]
+    argv += [str(REPO / "jobs" / "train.py"), *train_args(store, run), *train]
     result = subprocess.run(argv, capture_output=True, text=True, env=multinode_env(cluster), check=True)
     return result.stdout.strip().split(";")[0]
 
@@ -147,3 +156,36 @@ def test_a_host_that_cannot_make_the_nodes_is_refused_in_one_line() -> None:
     with pytest.raises(UserError, match="already in use on this host; choose another with --subnet") as taken:
         NodeNetwork(3, prefix="cfx", subnet="127.0.0").check_host()  # lo holds 127.0.0.1
     assert "\n" not in str(too_many.value) + str(taken.value)
+
+
+def test_a_pipeline_with_one_stage_per_node_trains_like_one_process(
+    multinode: LocalCluster, mpiexec, tiny_store: Path, tmp_path: Path
+) -> None:
+    pipeline = ("--parallel.pipeline-stages", "2", "--parallel.partition-method", "uniform", "--steps", "8")
+    clip = ("--optim.clip-grad", "0.05", "--parallel.zero-stage", "0")
+    job = sbatch_train(multinode, tiny_store, tmp_path / "pipe", train=pipeline + clip, tasks_per_node=1)
+    argv = [*mpiexec, "-n", "1", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
+    one = tmp_path / "one"
+    argv += [*train_args(tiny_store, one), "--steps", "8", *clip]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wait_for_job(multinode, job)
+    log = (tmp_path / "pipe.out").read_text()
+    pipe, single = losses(tmp_path / "pipe"), losses(one)
+    assert len(pipe) == 8 and all(abs(pipe[s] - single[s]) < 1e-4 for s in single), log[-3000:]
+    assert json.loads((tmp_path / "pipe" / "final" / "run.json").read_text())["world_size"] == 2
+
+
+def test_submitit_from_the_login_side_starts_a_two_node_job(
+    multinode: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipforge.hpc.launch import run_script
+
+    for key, value in multinode_env(multinode).items():
+        monkeypatch.setenv(key, value)
+    results = run_script(
+        "clipforge.jobs.selftest", ["--cluster", "dev", "--nodes", "2", "--ntasks-per-node", "2", "--wait", "True"]
+    )
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert {r["master_addr"] for r in results} == {"n1"} and {r["all_reduce"] for r in results} == {10.0}
+    assert sorted(r["local_rank"] for r in results) == [0, 0, 1, 1]

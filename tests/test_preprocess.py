@@ -322,3 +322,27 @@ def test_the_local_executor_starts_mpi_ranks_with_mpiexec(corpus: Path, clean_st
     flags = options(executor="local", ntasks_per_node=2, videos=corpus, out=out)
     run_script("clipforge.jobs.preprocess", flags + options(clip_frames=8, height=32, width=32, clips_per_video=3))
     assert np.array_equal(clips_in_index_order(out)[0], clips_in_index_order(clean_store)[0])
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
+    multinode, corpus: Path, clean_store: Path, tmp_path: Path
+) -> None:
+    from .conftest import multinode_env
+
+    out = tmp_path / "store"
+    script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
+    flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
+    result = subprocess.run(
+        ["sbatch", "--wait", "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(script), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=multinode_env(multinode),
+    )
+    log = (tmp_path / "slurm.out").read_text()
+    assert result.returncode == 0, log[-3000:]
+    assert "re-launching under srun with 3 tasks" in log
+    three, one = clips_in_index_order(out), clips_in_index_order(clean_store)
+    assert np.array_equal(three[0], one[0]) and np.array_equal(three[1], one[1]) and three[2] == one[2]
