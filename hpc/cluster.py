@@ -65,6 +65,19 @@ class LocalCluster:
     subnet: str = "10.77.0"
     """The nodes' /24 when there are several (host .1, node K .1K)."""
 
+    @classmethod
+    def beside(cls, nodes: int, subnet: str = "10.77.0") -> LocalCluster:
+        """An N-node cluster with its own folder, ports and name, so it runs beside the default one."""
+        return cls(
+            root=DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{nodes}n"),
+            nodes=nodes,
+            name=f"clipforge{nodes}n",
+            ctld_port=6827,
+            dbd_port=6829,
+            mysql_port=3326,
+            subnet=subnet,
+        )
+
     # -- paths ---------------------------------------------------------------
     @property
     def conf(self) -> Path:

@@ -87,6 +87,10 @@ class JobSpec:
     """Refuse a config that cannot work, before it is submitted or waits in the queue."""
     uses_mpi: bool = False
     """Its ranks are MPI ranks (the local executor starts them with mpiexec)."""
+    survives_lost_ranks: bool = False
+    """The job carries on when some of its ranks die, a node's worth included (the parameter server):
+    its step runs with ``srun --no-kill`` and without ``--kill-on-bad-exit``. Other jobs stop at a lost
+    rank, and Slurm requeues them to resume from their checkpoint."""
 
     @property
     def name(self) -> str:
@@ -159,13 +163,13 @@ def run_script(module: str, argv: list[str] | None = None) -> Any:
     launch: Launch = cfg.launch
     profile = launch.profile()
     if where == "batch":
-        return _srun(module, argv, profile, int(os.environ.get("SLURM_NTASKS", 1)), replace=True)
+        return _srun(spec, argv, profile, int(os.environ.get("SLURM_NTASKS", 1)), replace=True)
     if where == "allocation":
         ntasks = int(os.environ.get("SLURM_NTASKS", 1))
         if ntasks == 1:
             log.info("inside allocation %s with one task: running in the foreground", os.environ["SLURM_JOB_ID"])
             return spec.main(cfg)
-        return _srun(module, argv, profile, ntasks, replace=False)
+        return _srun(spec, argv, profile, ntasks, replace=False)
     return submit_script(spec, argv, cfg.resources, launch, profile)
 
 
@@ -222,12 +226,15 @@ def _follow(job: submitit.Job) -> None:
     echo()
 
 
-def _srun(module: str, argv: list[str], profile: ClusterProfile, ntasks: int, replace: bool) -> Any:
-    command = ["srun", f"--ntasks={ntasks}", "--kill-on-bad-exit=1", sys.executable, "-u", "-m", module, *argv]
+def _srun(spec: JobSpec, argv: list[str], profile: ClusterProfile, ntasks: int, replace: bool) -> Any:
+    # A lost rank stops the step (and a node failure requeues the job) unless the job carries on without it.
+    kill = ["--no-kill", "--kill-on-bad-exit=0"] if spec.survives_lost_ranks else ["--kill-on-bad-exit=1"]
+    command = ["srun", f"--ntasks={ntasks}", *kill]
     setup = profile.setup_lines()
     if setup:
         # Setup lines come from the profile file; the user's arguments stay positional, never shell text.
-        command[3:3] = ["bash", "-c", "\n".join(setup) + '\nexec "$@"', "clipforge-setup"]
+        command += ["bash", "-c", "\n".join(setup) + '\nexec "$@"', "clipforge-setup"]
+    command += [sys.executable, "-u", "-m", spec.module, *argv]
     log.info("re-launching under srun with %d tasks", ntasks)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -71,7 +71,7 @@ def main(cfg: Config) -> dict | None:
     return ps.run(cfg, env)
 
 
-SPEC = JobSpec("clipforge.jobs.ps_train", parse, main, check=check)
+SPEC = JobSpec("clipforge.jobs.ps_train", parse, main, check=check, survives_lost_ranks=True)
 
 if __name__ == "__main__":
     sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ class Checkpointer:
         tag = self.index.tag(step)
         if self.index.is_complete(tag):
             return
+        started = time.perf_counter()
         try:
             self.engine.save_checkpoint(str(self.index.folder), tag=tag, client_state={"step": step}, save_latest=False)
         except (OSError, RuntimeError) as exc:
@@ -46,7 +48,7 @@ class Checkpointer:
         if self.dist.is_main:
             self.index.mark_complete(tag, step)
             self.index.prune(self.keep)
-            log.info("checkpoint %s saved", tag)
+            log.info("checkpoint %s saved in %.2f s", tag, time.perf_counter() - started)
         torch.distributed.barrier()
 
     def resume(self) -> int:

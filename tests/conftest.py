@@ -37,15 +37,7 @@ def multinode() -> LocalCluster:
     Its own folder, ports and address range, so both run at once; taken down at the end of the session.
     Clients reach it with ``env=multinode_env(cluster)``, never through os.environ.
     """
-    cluster = LocalCluster(
-        root=Path("/tmp/clipforge-slurm-3n"),
-        nodes=3,
-        name="clipforge3n",
-        ctld_port=6827,
-        dbd_port=6829,
-        mysql_port=3326,
-        subnet="10.77.0",
-    )
+    cluster = LocalCluster.beside(3)
     cluster.up()
     yield cluster
     cluster.down()

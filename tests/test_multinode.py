@@ -189,3 +189,46 @@ def test_submitit_from_the_login_side_starts_a_two_node_job(
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert {r["master_addr"] for r in results} == {"n1"} and {r["all_reduce"] for r in results} == {10.0}
     assert sorted(r["local_rank"] for r in results) == [0, 0, 1, 1]
+
+
+def test_a_parameter_server_job_finishes_without_the_trainers_of_a_dead_node(
+    multinode: LocalCluster, tiny_store: Path, tmp_path: Path
+) -> None:
+    from .test_ps import TINY as PS_TINY
+    from .test_ps import rows
+
+    run = tmp_path / "run"
+    argv = [
+        "sbatch",
+        "--parsable",
+        "--no-kill",
+        "-N2",
+        "--ntasks-per-node=2",
+        f"--output={tmp_path / 'ps.out'}",
+        str(REPO / "jobs" / "ps_train.py"),
+    ]
+    argv += [
+        "--data.store",
+        str(tiny_store),
+        "--run-dir",
+        str(run),
+        "--servers",
+        "1",
+        "--trainers",
+        "3",
+        "--nodes",
+        "2",
+    ]
+    argv += [*PS_TINY, "--trainer.steps", "60", "--server.trainer-timeout-s", "3", "--server.mode", "async"]
+    env = multinode_env(multinode)
+    job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
+    wait_for(lambda: (run / "metrics.jsonl").exists() and len(rows(run, "train")) >= 2, "the first trainer updates")
+    multinode.kill_node("n2")  # trainers 1 and 2 (ranks 2 and 3); the server and trainer 0 are on n1
+    try:
+        wait_for_job(multinode, job, timeout=300)
+    finally:
+        multinode.start_node("n2")
+    log = (tmp_path / "ps.out").read_text()
+    clocks = rows(run, "ps")[0]["clocks"]
+    assert clocks["trainer0"] == 60 and clocks["trainer1"] < 60 and clocks["trainer2"] < 60, log[-3000:]
+    assert "presumed dead" in log and (run / "final" / "model.safetensors").exists()
