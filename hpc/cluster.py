@@ -161,10 +161,13 @@ class LocalCluster:
         self._start_node(node)
 
     def kill_node(self, node: str) -> list[int]:
-        """Crash node ``node`` for real: SIGKILL its slurmd and every step and task on it; returns their pids."""
+        """Crash node ``node`` for real: cut its link, SIGKILL its slurmd and every step and task on it.
+
+        Returns the pids killed. :meth:`start_node` brings it back.
+        """
         if self.nodes == 1:
             raise ClusterError("kill_node needs a multi-node cluster (clipforge cluster up --nodes N)")
-        return self.network.kill(node)
+        return self.network.crash(node)
 
     def down(self) -> None:
         """Stop every daemon that ``up`` started, and the nodes' network (state stays for the next ``up``)."""

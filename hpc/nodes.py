@@ -97,8 +97,8 @@ class NodeNetwork:
             _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
         present = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-        for k, node in enumerate(self.names, start=1):
-            ns, veth = self.namespace(node), f"{self.prefix}v{k}"
+        for node in self.names:
+            ns, veth = self.namespace(node), self.veth(node)
             if ns in present:
                 continue
             _ip("netns", "add", ns)
@@ -115,6 +115,7 @@ class NodeNetwork:
 
     def start(self, node: str, command: list[str], hosts_file: Path, log: Path) -> None:
         """Run ``command`` as node ``node``: its network, its hostname, its ``/etc/hosts``."""
+        _ip("link", "set", self.veth(node), "up")  # back after a crash
         script = f'hostname {node} && mount --bind "$0" /etc/hosts && exec "$@"'
         argv = ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--uts", "--mount"]
         argv += ["--propagation", "slave", "bash", "-c", script, str(hosts_file), *command]
@@ -128,8 +129,21 @@ class NodeNetwork:
         result = subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True)
         return [int(p) for p in result.stdout.split()]
 
+    def veth(self, node: str) -> str:
+        return f"{self.prefix}v{node[1:]}"
+
+    def crash(self, node: str) -> list[int]:
+        """Crash node ``node``: cut its link, then SIGKILL every process on it; returns their pids.
+
+        The link goes first, as in a real crash: peers on the other nodes must hear nothing,
+        not the resets the host's kernel sends for a killed process's sockets (which would
+        stop their ranks at once, before Slurm has noticed the node).
+        """
+        _ip("link", "set", self.veth(node), "down")
+        return self.kill(node)
+
     def kill(self, node: str, sig: int = signal.SIGKILL) -> list[int]:
-        """Kill every process of node ``node`` at once, as a node crash would; returns their pids."""
+        """Send ``sig`` to every process of node ``node`` at once; returns their pids."""
         pids = self.pids(node)
         for pid in pids:
             try:
@@ -141,7 +155,7 @@ class NodeNetwork:
     def down(self) -> None:
         """Kill what runs in the namespaces, then remove the veths, namespaces and bridge."""
         present = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-        for k, node in enumerate(self.names, start=1):
+        for node in self.names:
             ns = self.namespace(node)
             if ns not in present:
                 continue
@@ -150,7 +164,7 @@ class NodeNetwork:
             while self.pids(node) and time.monotonic() < deadline:
                 time.sleep(0.2)
             self.kill(node)
-            subprocess.run(["ip", "link", "del", f"{self.prefix}v{k}"], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.veth(node)], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if self.exists():
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

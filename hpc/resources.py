@@ -64,6 +64,8 @@ class Resources:
 
     nodes: int = 1
     """Number of nodes."""
+    min_nodes: int | None = None
+    """Fewest nodes the job may start, or restart after a node loss, on (``--nodes MIN-MAX``); empty: exactly nodes."""
     ntasks_per_node: int = 1
     """Tasks (processes, MPI ranks) per node; one per GPU for training."""
     gpus_per_node: int = 0
@@ -98,6 +100,8 @@ class Resources:
         for name in ("nodes", "ntasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise ResourceError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nodes:
+            raise ResourceError(f"min_nodes: must be between 1 and nodes ({self.nodes}), got {self.min_nodes}")
         if self.gpus_per_node < 0:
             raise ResourceError(f"gpus_per_node: must be 0 or more, got {self.gpus_per_node}")
         if self.signal_delay_s < 0:
@@ -128,7 +132,7 @@ class Resources:
         """sbatch long flags (without '--') and their values; True marks a bare flag."""
         flags: dict[str, object] = {
             "job-name": self.job_name,
-            "nodes": self.nodes,
+            "nodes": f"{self.min_nodes}-{self.nodes}" if self.min_nodes else self.nodes,
             "ntasks-per-node": self.ntasks_per_node,
             "cpus-per-task": self.cpus_per_task,
             "time": self.time_minutes,

@@ -43,6 +43,9 @@ log = logging.getLogger("clipforge.train")
 class Config(TrainSettings):
     """Train a video classifier on a clip store."""
 
+    elastic_min_nodes: int | None = None
+    """Allow a requeued run to resume on as few as this many nodes after a node loss (ZeRO 0-2 data parallel):
+    the job asks Slurm for --nodes MIN-MAX and keeps the global batch by raising gradient accumulation."""
     launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
     resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
         default_factory=lambda: Resources(ntasks_per_node=2, time="04:00:00", job_name="clipforge-train")
@@ -50,18 +53,26 @@ class Config(TrainSettings):
 
 
 def parse(argv: list[str] | None = None) -> Config:
-    return config.parse(Config, argv)
+    cfg = config.parse(Config, argv)
+    if cfg.elastic_min_nodes is not None:
+        cfg.resources.min_nodes = cfg.elastic_min_nodes
+    return cfg
 
 
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
     check_settings(cfg, cfg.resources.ntasks)
+    if cfg.elastic_min_nodes is not None and (cfg.parallel.layout != "plain" or cfg.parallel.zero_stage == 3):
+        raise config.ConfigError(
+            "--elastic-min-nodes: a restart on fewer nodes reshards ZeRO 0-2 data parallel only; a pipeline needs "
+            "its stages and ZeRO-3 its partitions"
+        )
 
 
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank)
-    trainer = Trainer(cfg, max_requeues=cfg.launch.requeues())
+    trainer = Trainer(cfg, max_requeues=cfg.launch.requeues(), elastic=cfg.elastic_min_nodes is not None)
     if env.rank == 0:
         RunDir(cfg.run_dir).write_config(config.to_dict(cfg))
     try:

@@ -22,8 +22,8 @@ class CheckpointError(UserError):
 class Checkpointer:
     """Checkpoints of one engine: saved by every rank, marked complete by rank 0, resumed only when they verify."""
 
-    def __init__(self, engine: Any, index: CheckpointIndex, dist: DistEnv, keep: int) -> None:
-        self.engine, self.index, self.dist, self.keep = engine, index, dist, keep
+    def __init__(self, engine: Any, index: CheckpointIndex, dist: DistEnv, keep: int, layout: dict) -> None:
+        self.engine, self.index, self.dist, self.keep, self.layout = engine, index, dist, keep, layout
 
     def save(self, step: int) -> None:
         """Save on every rank, then mark the checkpoint complete; only complete ones are ever resumed."""
@@ -46,13 +46,32 @@ class Checkpointer:
             ) from None
         torch.distributed.barrier()
         if self.dist.is_main:
-            self.index.mark_complete(tag, step)
+            self.index.mark_complete(tag, step, self.layout)
             self.index.prune(self.keep)
             log.info("checkpoint %s saved in %.2f s", tag, time.perf_counter() - started)
         torch.distributed.barrier()
 
-    def resume(self) -> int:
-        """Load the newest checkpoint that verifies; returns its step (0 when there is none)."""
+    def resume(self, universal: str | None = None) -> int:
+        """Load the newest checkpoint that verifies; returns its step (0 when there is none).
+
+        ``universal``: the tag of that checkpoint converted to DeepSpeed's universal form, loaded
+        instead (on another number of ranks), then removed once every rank has it.
+        """
+        if universal is not None:
+            original = universal.removesuffix("-universal")
+            self.engine.load_checkpoint(str(self.index.folder), tag=universal)
+            step = self.index.step(original)
+            torch.distributed.barrier()
+            if self.dist.is_main:
+                self.index.discard(universal)
+                (self.index.folder / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer
+                log.info(
+                    "resumed from checkpoint %s at step %d, resharded (restart %d)",
+                    original,
+                    step,
+                    self.dist.restart_count,
+                )
+            return step
 
         def skipped(tag: str, why: str) -> None:
             if self.dist.is_main:

@@ -80,6 +80,7 @@ def deepspeed_config(
     scheduler: dict[str, Any] | None,
     clip_grad: float,
     has_batchnorm: bool,
+    load_universal: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config for one run, from the run's own settings."""
     if batch_per_rank < 1 or grad_accum < 1:
@@ -111,6 +112,10 @@ def deepspeed_config(
         zero["offload_param"] = {"device": "cpu"}
     if parallel.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if load_universal:
+        # Resume from a universal checkpoint (ds_to_universal's): its optimizer state is cut per
+        # parameter, not per rank, so another number of ranks can partition it again.
+        config["checkpoint"] = {"load_universal": True}
     if parallel.activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     return config

@@ -15,6 +15,7 @@ holds the model (plain or pipeline) in :mod:`.layout`, checkpoints in
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import logging
@@ -41,7 +42,7 @@ from .evaluation import evaluate_on_ranks
 from .layout import LAYOUTS, EngineLayout
 from .parallel import deepspeed_config
 from .sampler import StepSampler
-from .settings import TrainSettings, check_settings
+from .settings import TrainError, TrainSettings, check_settings
 from .throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,12 @@ class Trainer:
     throughput: Throughput
     step: int
 
-    def __init__(self, settings: TrainSettings, max_requeues: int = 3) -> None:
+    def __init__(self, settings: TrainSettings, max_requeues: int = 3, elastic: bool = False) -> None:
         self.settings = settings
         self.max_requeues = max_requeues
+        self.elastic = elastic
+        """Whether a resume may find another number of data-parallel ranks than the checkpoint's writers."""
+        self._reshard_from: str | None = None
         self.dist = setup_distributed()
         self.store, self.arch = check_settings(settings, self.dist.world_size)
         self.train_set = ClipDataset(self.store, settings.data.train_split)
@@ -98,6 +102,7 @@ class Trainer:
         torch.manual_seed(s.seed)
         backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
+        self._universal_tag = self._universal_checkpoint()
         if s.data.class_balance == "loss":
             counts = np.bincount(self.train_set.labels, minlength=len(self.store.classes)).astype(np.float64)
             self.class_weights = torch.tensor(counts.sum() / (len(counts) * np.maximum(counts, 1)), dtype=torch.float32)
@@ -111,6 +116,7 @@ class Trainer:
             s.optim.deepspeed_scheduler(s.steps),
             s.optim.clip_grad,
             self._has_batchnorm(),
+            load_universal=self._reshard_from is not None,
         )
         model = self.layout.module(self)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -122,7 +128,82 @@ class Trainer:
         self.sampler = StepSampler(
             self.train_set.labels, s.batch_per_rank, s.grad_accum, self.dp_rank, self.dp_size, s.seed, balanced
         )
-        self.checkpointer = Checkpointer(self.engine, self.checkpoints, self.dist, s.keep_checkpoints)
+        layout = {
+            "world_size": self.dist.world_size,
+            "data_parallel": self.dp_size,
+            "global_batch": s.batch_per_rank * s.grad_accum * self.dp_size,
+        }
+        self.checkpointer = Checkpointer(self.engine, self.checkpoints, self.dist, s.keep_checkpoints, layout)
+
+    def _fit_to_checkpoint(self) -> None:
+        """A resumed run keeps its global batch: on fewer (or more) data-parallel ranks, by its gradient accumulation.
+
+        Only when the job allows it (``--elastic-min-nodes``), and only for layouts whose state DeepSpeed
+        can cut again: ZeRO 0-2 data parallel (a pipeline needs its stage count, ZeRO-3 its partitions).
+        """
+        newest = next(iter(self.checkpoints.complete()), None)
+        written = self.checkpoints.layout(newest) if newest else None
+        if not written:
+            return
+        s, was, now = self.settings, written["data_parallel"], self.dp_size
+        if was == now:
+            return
+        if not self.elastic:
+            raise TrainError(
+                f"checkpoint {newest} was written by {was} data-parallel ranks and this job has {now}: run it on "
+                f"{was}, or start the run with --elastic-min-nodes to allow a restart on fewer nodes"
+            )
+        if s.parallel.layout != "plain" or s.parallel.zero_stage == 3:
+            raise TrainError(
+                f"checkpoint {newest} was written by {was} ranks and this job has {now}: an elastic restart "
+                "reshards ZeRO 0-2 data parallel only (a pipeline needs its stages, ZeRO-3 its partitions)"
+            )
+        per_micro_batch = s.batch_per_rank * now
+        if written["global_batch"] % per_micro_batch:
+            raise TrainError(
+                f"the run's global batch of {written['global_batch']} clips does not divide over {now} ranks of "
+                f"{s.batch_per_rank}; restart it on a number of ranks that divides it"
+            )
+        grad_accum = written["global_batch"] // per_micro_batch
+        if self.dist.is_main:
+            log.warning(
+                "checkpoint %s was written by %d data-parallel ranks, this job has %d: gradient accumulation %d -> "
+                "%d keeps the global batch of %d clips",
+                newest,
+                was,
+                now,
+                s.grad_accum,
+                grad_accum,
+                written["global_batch"],
+            )
+        self.settings = dataclasses.replace(s, grad_accum=grad_accum)
+        if s.parallel.zero_stage > 0:
+            self._reshard_from = newest  # ZeRO's optimizer partitions are cut per rank: reshard them
+
+    def _universal_checkpoint(self) -> str | None:
+        """Convert the checkpoint to resume from into DeepSpeed's universal form (rank 0; the others wait)."""
+        if self._reshard_from is None:
+            return None
+        tag = f"{self._reshard_from}-universal"
+        target = self.checkpoints.path(tag)
+        if self.dist.is_main and not target.exists():
+            import subprocess
+            import sys
+
+            partial = target.with_name(tag + ".partial")
+            command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"]
+            command += ["--input_folder", str(self.checkpoints.path(self._reshard_from)), "--output_folder"]
+            command += [str(partial), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode:
+                raise TrainError(
+                    f"checkpoint {self._reshard_from} could not be resharded for {self.dp_size} ranks: "
+                    f"{(result.stderr.strip().splitlines() or ['no message'])[-1]}"
+                )
+            partial.rename(target)
+            log.info("checkpoint %s resharded (universal form in %s)", self._reshard_from, target)
+        torch.distributed.barrier()
+        return tag
 
     def _has_batchnorm(self) -> bool:
         # Layer specs build cheaply at the sizes we test; at the huge sizes only the first and
@@ -182,9 +263,10 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         s = self.settings
         self.run.prepare()
+        self._fit_to_checkpoint()
         self._build_engine()
         preemption = Preemption(self.max_requeues)
-        self.step = self.checkpointer.resume()
+        self.step = self.checkpointer.resume(self._universal_tag)
         writer = self._tensorboard()
         self.throughput = self._throughput_meter()
         progress = Progress(s.steps - self.step, "training", unit="step", enabled=self.dist.is_main)

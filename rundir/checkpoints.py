@@ -68,15 +68,27 @@ class CheckpointIndex:
                 skipped(tag, problem)
         return None
 
-    def mark_complete(self, tag: str, step: int) -> None:
+    def mark_complete(self, tag: str, step: int, layout: dict | None = None) -> None:
         """Record every file of ``tag`` with its checksum: from now on it can be resumed.
 
-        Rank 0 calls this, after all ranks saved.
+        Rank 0 calls this, after all ranks saved. ``layout`` says how the ranks that wrote it
+        were arranged (world size, data-parallel ranks, global batch), for a restart on fewer.
         """
         folder = self.folder / tag
         files = {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-        write_json(folder / COMPLETE, {"step": step, "files": files})
+        write_json(folder / COMPLETE, {"step": step, "files": files, "layout": layout})
         write_json(self.folder / LATEST, {"tag": tag})
+
+    def step(self, tag: str) -> int:
+        """The step a complete checkpoint was taken after."""
+        return int(json.loads((self.folder / tag / COMPLETE).read_text())["step"])
+
+    def layout(self, tag: str) -> dict | None:
+        """How the ranks that wrote ``tag`` were arranged, as given to :meth:`mark_complete` (None if unknown)."""
+        try:
+            return json.loads((self.folder / tag / COMPLETE).read_text()).get("layout")
+        except (OSError, ValueError):
+            return None
 
     def prune(self, keep: int) -> list[str]:
         """Delete all but the ``keep`` newest complete checkpoints; returns the deleted tags."""

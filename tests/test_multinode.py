@@ -47,9 +47,10 @@ def sbatch_train(
     *sbatch: str,
     train: tuple[str, ...] = (),
     tasks_per_node: int = 2,
+    nodes: str = "2",
 ) -> str:
-    """Submit a 2-node training job; returns its id."""
-    argv = ["sbatch", "--parsable", "-N2", f"--ntasks-per-node={tasks_per_node}"]
+    """Submit a training job (2 nodes unless ``nodes`` says otherwise); returns its id."""
+    argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"]
     argv += [f"--output={run.parent / (run.name + '.out')}", *sbatch]
     argv += [str(REPO / "jobs" / "train.py"), *train_args(store, run), *train]
     result = subprocess.run(argv, capture_output=True, text=True, env=multinode_env(cluster), check=True)

@@ -173,6 +173,40 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
     train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", "--checkpoint-every", "4")
     resumed, reference = losses(run), losses(zero_runs[2])
     assert all(resumed[s] == reference[s] for s in range(5, 13)), (resumed, reference)  # bitwise at fp32
+    # On another number of ranks, without --elastic-min-nodes: one line, before any rank starts training.
+    refused = train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", ranks=1, steps=14, check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "written by 2 data-parallel ranks and this job has 1: run it on 2" in refused.stderr
+
+
+def test_a_run_resumed_on_fewer_ranks_reshards_zero_and_keeps_the_global_batch(
+    mpiexec, tiny_store: Path, tmp_path: Path, zero_runs
+) -> None:
+    """4 ranks x 2 clips, resumed from step 4 on 2 ranks: 2 micro-batches of 2 each step, the same clips."""
+    import shutil
+
+    run = tmp_path / "run"
+    args = (
+        "--parallel.zero-stage",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--batch-per-rank",
+        "2",
+        "--elastic-min-nodes",
+        "1",
+    )
+    train(mpiexec, tiny_store, run, *args, "--keep-checkpoints", "3", ranks=4)
+    for later in ("step-00000008", "step-00000012"):  # as if the 4-rank job had died after step 4
+        shutil.rmtree(run / "checkpoints" / later)
+    result = train(mpiexec, tiny_store, run, *args, ranks=2)
+    assert "written by 4 data-parallel ranks, this job has 2: gradient accumulation 1 -> 2" in result.stderr
+    assert "resumed from checkpoint step-00000004 at step 4, resharded" in result.stderr
+    # The same clips each step (positions of the global batch): the 2-rank run of 4 clips per rank is the reference.
+    resumed, reference = losses(run), losses(zero_runs[2])
+    assert sorted(resumed) == list(range(1, 13))
+    assert all(abs(resumed[s] - reference[s]) < 1e-4 for s in reference), (resumed, reference)
+    assert not list((run / "checkpoints").glob("*universal*"))
 
 
 def test_impossible_layouts_are_refused_before_launch_with_one_line(tiny_store: Path, monkeypatch) -> None:

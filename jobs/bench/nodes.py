@@ -13,8 +13,10 @@ and as N nodes x T tasks, and reports:
 - steps/s once running;
 - restart: from the event to the first step after the resume: on N nodes a
   node SIGKILLed after the first checkpoint (Slurm must notice, mark it down
-  and requeue), on one node ``scontrol requeue`` at the same point (the peer:
-  the same restart without a failure to detect).
+  and requeue; the node's slurmd starts again once it is marked down, as an
+  operator's reboot would, since the job needs all N), on one node
+  ``scontrol requeue`` at the same point (the peer: the same restart without
+  a failure to detect).
 
 Figures are medians over the repeats; ratios are N nodes over 1 node, the
 median of the paired ratios with their min-max.
@@ -96,12 +98,13 @@ def measure(
         cluster.kill_node(victim)
     else:
         subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+    if victim is not None:
+        # The job needs every node back: start the dead one's slurmd once Slurm has marked it down.
+        while "down" not in sinfo(victim, env):
+            time.sleep(0.2)
+        cluster.start_node(victim)
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=env).stdout.strip():
         time.sleep(0.5)
-    if victim is not None:
-        cluster.start_node(victim)
-        while "down" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout:
-            time.sleep(0.5)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train"]
     first = steps[0]["time"]
@@ -116,6 +119,10 @@ def measure(
         "steps/s": (len(steady) - 1) / max(steady[-1]["time"] - steady[0]["time"], 1e-9),
         "restart to resumed step (s)": resumed["time"] - event,
     }
+
+
+def sinfo(node: str, env: dict[str, str]) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True, env=env).stdout
 
 
 def report(cfg: Config, figures: dict[str, dict[str, list[float]]], world: int) -> None:
