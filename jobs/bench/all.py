@@ -7,9 +7,10 @@ Runs, in order: the preprocess room (bare PyAV decode as the limit, packing with
 1 and 2 ranks, the reader against on-the-fly decoding as SlowFast's and
 VideoMAE's loaders do), training (plain DDP against DeepSpeed's ZeRO stages,
 model-state bytes against the ZeRO paper), the registry (push and pull against
-cp, list at 1,000 versions) and the parameter server (sync against SSP and
-async with a straggler). Each prints its own table with ratios; this job
-collects them.
+cp, list at 1,000 versions), the parameter server (sync against SSP and
+async with a straggler) and the nodes (one node against three on the
+multi-node cluster, and the time from a node's loss to resumed training).
+Each prints its own table with ratios; this job collects them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ BENCHMARKS = [
     ("Training: DDP against DeepSpeed ZeRO 0-3", "clipforge.jobs.bench.train", []),
     ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
     ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),
+    ("Nodes: one node against three, and a node lost", "clipforge.jobs.bench.nodes", []),
 ]
 
 
