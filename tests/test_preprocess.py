@@ -346,3 +346,42 @@ def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
     assert "re-launching under srun with 3 tasks" in log
     three, one = clips_in_index_order(out), clips_in_index_order(clean_store)
     assert np.array_equal(three[0], one[0]) and np.array_equal(three[1], one[1]) and three[2] == one[2]
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_packing_that_loses_a_node_is_requeued_and_keeps_its_committed_shards(
+    multinode, corpus: Path, clean_store: Path, tmp_path: Path
+) -> None:
+    import re
+    import time
+
+    from .conftest import multinode_env
+
+    out = tmp_path / "store"
+    script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
+    flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=4)
+    env = multinode_env(multinode)
+    argv = ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-N2", "--ntasks-per-node=1"]
+    submitted = subprocess.run(
+        [*argv, f"--output={tmp_path / 'slurm.out'}", str(script), *flags], capture_output=True, text=True, env=env
+    )
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    while not list((out / "shards").glob("shard-*.json")):  # the first shard is committed
+        assert time.monotonic() < deadline, "packing never committed a shard"
+        time.sleep(0.02)
+    held = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, env=env).stdout
+    victim = "n2" if "2" in held else "n3"  # never n1, the batch host
+    multinode.kill_node(victim)
+    try:
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=env).stdout.strip():
+            assert time.monotonic() < deadline + 240, "the packing job never finished"
+            time.sleep(0.5)
+    finally:
+        multinode.start_node(victim)
+    log = (tmp_path / "slurm.out").read_text()
+    kept = [int(n) for n in re.findall(r"already packed in (\d+) shards", log)]
+    assert len(kept) == 2 and kept[0] == 0 and kept[1] >= 1, log[-3000:]  # the rerun started from what was committed
+    three, one = clips_in_index_order(out), clips_in_index_order(clean_store)
+    assert np.array_equal(three[0], one[0]) and np.array_equal(three[1], one[1]) and three[2] == one[2]
