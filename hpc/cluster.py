@@ -106,10 +106,6 @@ class LocalCluster:
         """The ``/etc/hosts`` every node sees: the controller and the nodes by name."""
         return self.root / "etc" / "hosts.nodes"
 
-    @property
-    def node_names(self) -> list[str]:
-        return self.network.names if self.nodes > 1 else [socket.gethostname().split(".")[0]]
-
     def _slurmd_daemons(self) -> list[str]:
         return [f"slurmd-{n}" for n in self.network.names] if self.nodes > 1 else ["slurmd"]
 

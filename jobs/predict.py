@@ -86,27 +86,29 @@ def parse(argv: list[str] | None = None) -> Config:
     return dataclasses.replace(cfg, videos=tuple(Path(p) for p in positional) + cfg.videos)
 
 
-def check(cfg: Config) -> None:
+def checked(cfg: Config) -> tuple[ClipParams, list[Path]]:
+    """The clip parameters of the run's store and the videos to classify, each checked (one line for a problem)."""
     record = RunDir.find(cfg.run).record()
     params = ClipParams.recorded(record.data_fingerprint["params"])
     cfg.views.check(record.crop, params.height, params.width)
     if not cfg.videos and cfg.manifest is None:
         raise config.ConfigError("no videos to classify: name video files, or a --manifest listing them")
-    if cfg.manifest is not None:
-        read_manifest(cfg.manifest)
     if cfg.top < 1 or cfg.batch < 1 or cfg.workers < 0:
         raise config.ConfigError("top and batch must be at least 1, workers 0 or more")
+    return params, list(cfg.videos) + (read_manifest(cfg.manifest) if cfg.manifest is not None else [])
+
+
+def check(cfg: Config) -> None:
+    checked(cfg)
 
 
 def main(cfg: Config) -> list[dict] | None:
     env = setup_distributed()
     setup_logging(env.rank if env.world_size > 1 else None)
-    check(cfg)
+    params, videos = checked(cfg)  # a rank of srun or submitit was not checked before it started
     device = task_device(env)
     grouped = init_process_group(env, device)
     model, record = load_trained(cfg.run)
-    params = ClipParams.recorded(record.data_fingerprint["params"])
-    videos = list(cfg.videos) + (read_manifest(cfg.manifest) if cfg.manifest is not None else [])
     output = PredictionLog(cfg.out, env.rank) if cfg.out is not None else None
     done = output.done() if output is not None else set()
     if grouped:

@@ -19,6 +19,8 @@ import dataclasses
 import datetime
 import functools
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -187,9 +189,6 @@ class Trainer:
         tag = f"{self._reshard_from}-universal"
         target = self.checkpoints.path(tag)
         if self.dist.is_main and not target.exists():
-            import subprocess
-            import sys
-
             partial = target.with_name(tag + ".partial")
             command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"]
             command += ["--input_folder", str(self.checkpoints.path(self._reshard_from)), "--output_folder"]

@@ -14,6 +14,7 @@ import pytest
 from clipforge.hpc.cluster import LocalCluster
 from clipforge.hpc.distenv import free_port
 
+from .argv import options
 from .conftest import multinode_env
 from .test_train import TINY, losses
 
@@ -199,28 +200,9 @@ def test_a_parameter_server_job_finishes_without_the_trainers_of_a_dead_node(
     from .test_ps import rows
 
     run = tmp_path / "run"
-    argv = [
-        "sbatch",
-        "--parsable",
-        "--no-kill",
-        "-N2",
-        "--ntasks-per-node=2",
-        f"--output={tmp_path / 'ps.out'}",
-        str(REPO / "jobs" / "ps_train.py"),
-    ]
-    argv += [
-        "--data.store",
-        str(tiny_store),
-        "--run-dir",
-        str(run),
-        "--servers",
-        "1",
-        "--trainers",
-        "3",
-        "--nodes",
-        "2",
-    ]
-    argv += [*PS_TINY, "--trainer.steps", "60", "--server.trainer-timeout-s", "3", "--server.mode", "async"]
+    argv = ["sbatch", "--parsable", "--no-kill", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'ps.out'}"]
+    argv += [str(REPO / "jobs" / "ps_train.py"), *options(data__store=tiny_store, run_dir=run, servers=1, trainers=3)]
+    argv += ["--nodes", "2", *PS_TINY, "--trainer.steps", "60", "--server.trainer-timeout-s", "3"]
     env = multinode_env(multinode)
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
     wait_for(lambda: (run / "metrics.jsonl").exists() and len(rows(run, "train")) >= 2, "the first trainer updates")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,8 +22,18 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
 from .argv import options, pack_argv
+from .conftest import multinode_env
 
 BROKEN = {"move_left/corrupt.mp4", "move_left/not_a_video.mp4", "move_left/truncated.mp4", "move_left/zero_bytes.mp4"}
+
+
+PACK_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
+
+
+def assert_same_store(a: Path, b: Path) -> None:
+    """The same clips, labels and video paths, in index order, whatever ranks or shards wrote them."""
+    left, right = clips_in_index_order(a), clips_in_index_order(b)
+    assert np.array_equal(left[0], right[0]) and np.array_equal(left[1], right[1]) and left[2] == right[2]
 
 
 def clips_in_index_order(store: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -282,14 +293,13 @@ def test_sbatch_runs_the_packing_job_as_mpi_ranks_under_srun(
     slurm, corpus: Path, clean_store: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "store"
-    script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
     result = subprocess.run(
         [
             "sbatch",
             "--wait",
             "--ntasks=2",
             f"--output={tmp_path / 'slurm.out'}",
-            str(script),
+            str(PACK_SCRIPT),
             "--videos",
             str(corpus),
             "--out",
@@ -329,13 +339,11 @@ def test_the_local_executor_starts_mpi_ranks_with_mpiexec(corpus: Path, clean_st
 def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
     multinode, corpus: Path, clean_store: Path, tmp_path: Path
 ) -> None:
-    from .conftest import multinode_env
-
     out = tmp_path / "store"
-    script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
     flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
     result = subprocess.run(
-        ["sbatch", "--wait", "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(script), *flags],
+        ["sbatch", "--wait", "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT)]
+        + flags,
         capture_output=True,
         text=True,
         timeout=300,
@@ -344,8 +352,7 @@ def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
     log = (tmp_path / "slurm.out").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "re-launching under srun with 3 tasks" in log
-    three, one = clips_in_index_order(out), clips_in_index_order(clean_store)
-    assert np.array_equal(three[0], one[0]) and np.array_equal(three[1], one[1]) and three[2] == one[2]
+    assert_same_store(out, clean_store)
 
 
 @pytest.mark.slurm
@@ -353,18 +360,12 @@ def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
 def test_packing_that_loses_a_node_is_requeued_and_keeps_its_committed_shards(
     multinode, corpus: Path, clean_store: Path, tmp_path: Path
 ) -> None:
-    import re
-    import time
-
-    from .conftest import multinode_env
-
     out = tmp_path / "store"
-    script = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
     flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=4)
     env = multinode_env(multinode)
     argv = ["sbatch", "--parsable", "--requeue", "--open-mode=append", "-N2", "--ntasks-per-node=1"]
     submitted = subprocess.run(
-        [*argv, f"--output={tmp_path / 'slurm.out'}", str(script), *flags], capture_output=True, text=True, env=env
+        [*argv, f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT), *flags], capture_output=True, text=True, env=env
     )
     job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 120
@@ -383,5 +384,4 @@ def test_packing_that_loses_a_node_is_requeued_and_keeps_its_committed_shards(
     log = (tmp_path / "slurm.out").read_text()
     kept = [int(n) for n in re.findall(r"already packed in (\d+) shards", log)]
     assert len(kept) == 2 and kept[0] == 0 and kept[1] >= 1, log[-3000:]  # the rerun started from what was committed
-    three, one = clips_in_index_order(out), clips_in_index_order(clean_store)
-    assert np.array_equal(three[0], one[0]) and np.array_equal(three[1], one[1]) and three[2] == one[2]
+    assert_same_store(out, clean_store)
