@@ -98,6 +98,32 @@ def slurm_states(job_ids: list[str], root: Path, now: float | None = None) -> di
     return states
 
 
+def slurm_runs(job_id: str) -> list[dict[str, str]]:
+    """Every run of a Slurm job, oldest first: a requeued job has one per start (``sacct --duplicates``).
+
+    A run that a node failure ended reads ``NODE_FAIL``, one that was requeued ``REQUEUED``; the
+    last run is the job's current state. Empty when the scheduler has no such job (or no sacct).
+    """
+    fields = ("state", "nodes", "start", "end", "exit_code")
+    try:
+        result = subprocess.run(
+            ["sacct", "-D", "-X", "-n", "-P", "-o", "JobID,State,NodeList,Start,End,ExitCode", "-j", job_id],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+        )
+    except FileNotFoundError:
+        return []
+    runs = []
+    for line in result.stdout.splitlines() if result.returncode == 0 else []:
+        jid, *values = line.split("|")
+        if jid == job_id and len(values) == len(fields):
+            run = dict(zip(fields, values))
+            run["state"] = run["state"].split()[0]  # "CANCELLED by 0" -> CANCELLED
+            runs.append(run)
+    return runs
+
+
 def cancel(record: JobRecord) -> None:
     if record.executor == "slurm":
         subprocess.run(["scancel", record.job_id], check=True)

@@ -197,8 +197,23 @@ def _jobs_list(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _jobs_status(args: argparse.Namespace, rest: list[str]) -> int:
-    r = records.find_job(args.job_id)
-    print(json.dumps({"job_id": r.job_id, "state": r.state, "name": r.name, "folder": str(r.folder)}, indent=1))
+    try:
+        r = records.find_job(args.job_id)
+        status: dict = {"job_id": r.job_id, "state": r.state, "name": r.name, "folder": str(r.folder)}
+        slurm = r.executor == "slurm"
+    except records.UnknownJob:
+        status, slurm = {"job_id": args.job_id}, True  # perhaps a plain `sbatch jobs/<job>.py`
+    runs = records.slurm_runs(args.job_id) if slurm else []
+    if runs:
+        # A requeued job (a node failure, a preemption) has one run per start; the last is the current one.
+        status.setdefault("state", runs[-1]["state"])
+        status.update(restarts=len(runs) - 1, runs=runs)
+    elif "name" not in status:
+        raise records.UnknownJob(
+            f"no job {args.job_id} under {records.jobs_root()} or in Slurm's accounting;"
+            " `clipforge jobs list` shows the known ones"
+        )
+    print(json.dumps(status, indent=1))
     return 0
 
 

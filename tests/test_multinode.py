@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clipforge.hpc.cluster import LocalCluster
-from clipforge.hpc.distenv import free_port
+from clipforge.hpc.distenv import expand_nodelist, free_port
 
 from .argv import options
 from .conftest import multinode_env
@@ -147,6 +147,13 @@ def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_ru
     # Nothing lost: every step is there, and the resumed steps are those of the run that never stopped.
     assert losses(run) == losses(two_node_run)
     assert (run / "final" / "model.safetensors").exists()
+    # `clipforge jobs status` shows the requeue: a run ended by the node failure, then the one that finished.
+    cli = [sys.executable, "-m", "clipforge.jobs.cli", "jobs", "status", job]
+    status = json.loads(subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout)
+    assert status["restarts"] == 1 and status["state"] == "COMPLETED", status
+    first, last = status["runs"]
+    assert first["state"] in ("NODE_FAIL", "REQUEUED") and victim in expand_nodelist(first["nodes"]), status
+    assert last["state"] == "COMPLETED" and victim not in expand_nodelist(last["nodes"]), status
 
 
 def test_a_host_that_cannot_make_the_nodes_is_refused_in_one_line() -> None:
