@@ -6,6 +6,7 @@ clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
 clipforge jobs sbatch-lines              #SBATCH lines for given resources
 clipforge registry init|push|list|show|diff|pull|promote|review|gc
                                          model versions as Git LFS branches
+clipforge store inspect STORE            a clip store's videos: timing, decodable span, what is odd
 clipforge demo                           the main job on the embedded default
 """
 
@@ -158,6 +159,17 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, **options)
         p.set_defaults(func=_registry, verb=verb)
 
+    store = sub.add_parser("store", help="look into a packed clip store")
+    ssub = store.add_subparsers(metavar="VERB")
+    inspect = ssub.add_parser(
+        "inspect",
+        help="per store and per video: timing, decodable span, clips, repeated frames, the videos worth a look",
+    )
+    inspect.add_argument("store", help="the store's directory")
+    inspect.add_argument("--json", action="store_true", help="everything, every video included, as JSON")
+    inspect.add_argument("--all", action="store_true", help="list every video, not only those worth a look")
+    inspect.set_defaults(func=_store_inspect)
+
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
     demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
     demo.add_argument("--workdir", default="runs/demo", help="where the demo corpus, store and runs go")
@@ -298,6 +310,14 @@ def _open_pull_request(ref, body: str) -> int:
         if shutil.which(tool):
             return subprocess.run(argv, check=False).returncode
     print("neither gh nor glab is installed: paste the text above into a new pull request", file=sys.stderr)
+    return 0
+
+
+def _store_inspect(args: argparse.Namespace, rest: list[str]) -> int:
+    from clipforge.preprocess.quality import inspect_store
+
+    report = inspect_store(Path(args.store))
+    print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines(every_video=args.all)))
     return 0
 
 

@@ -1,10 +1,23 @@
-"""Decoding clips with PyAV: probe, choose clip times, seek, decode forward, resize.
+"""Decoding clips with PyAV: read the header, place clips, decode forward once, time the frames, resize.
 
-Clips are sampled by time, not by frame number: frame ``i`` of a clip starting
-at ``t0`` is the frame on screen at ``t0 + i * stride / fps``. That makes
-variable-frame-rate videos come out right, and every clip depends only on its
-video and the parameters, so the same clip comes out byte-identical whichever
-rank decodes it and in whatever order.
+Clips start on the frame grid, and frame ``i`` of a clip starting at ``t0`` is
+the frame on screen at ``t0 + i * stride / fps``: source frame
+``round(t0 * fps) + i * stride`` for a constant rate, and the frame a player
+shows at that time for a variable one.
+
+Which frame is on screen is decided per video from what decoding returns.
+Timestamps are trusted when every frame has one, they rise in output order and
+they step at about the frame rate; otherwise (B-frames in AVI, broken
+composition offsets, rewritten timestamps) frames are timed by their output
+order and the frame rate, and the store records ``timing: order``. Decoding
+always runs forward from the first frame, so no seek into a file whose index
+or timestamps lie can land on the wrong frame.
+
+A file that decodes short of what its header promises is cut inside what
+decodes and marked ``partial``; one with frames lost in mid-stream is marked
+``damaged`` and its clips over the loss are dropped. Every clip depends only on
+its video and the parameters, so it comes out byte-identical whichever rank
+decodes it and in whatever order.
 """
 
 from __future__ import annotations
@@ -71,42 +84,104 @@ class ClipParams:
         return self
 
 
+Timing = Literal["pts", "order"]
+# A target time this close (in frame intervals) before a frame's time already shows that frame.
+TOLERANCE = 0.25
+
+
 @dataclasses.dataclass
 class VideoClips:
+    """The clips of one video, and what decoding it found."""
+
     fps: float
     duration: float
+    """Seconds of the decodable span, which clips are cut from."""
     frames: int
+    """Frames actually decoded."""
     clips: np.ndarray
     """``[K, T, H, W, 3]`` uint8 RGB."""
     starts: list[float]
-    """Start time of each clip, in seconds from the start of the video."""
+    """Start time of each clip, in seconds from the first decodable frame."""
     status: str = "ok"
+    """ok; partial: / damaged: (packed, with a warning); skipped: (no clips)."""
+    timing: Timing = "pts"
+    """pts: frames timed by their timestamps; order: by output order and the frame rate (timestamps untrustworthy)."""
+    promised_frames: int = 0
+    """Frames the container's header promised (0: it did not say)."""
+    first_time: float = 0.0
+    """Time of the first decodable frame on the file's own clock."""
+    last_time: float = 0.0
+    """Time of the last decodable frame on the file's own clock."""
+    repeated_clips: int = 0
+    """Clips in which one source frame fills two or more places (a looped short video, a held frame)."""
+
+    @property
+    def warning(self) -> bool:
+        return self.status.startswith(("partial", "damaged"))
+
+    def record(self) -> dict[str, Any]:
+        """What the store keeps about the video (its clips aside)."""
+        fields = ("fps", "duration", "frames", "status", "timing", "promised_frames", "first_time", "last_time")
+        return {**{k: getattr(self, k) for k in fields}, "repeated_clips": self.repeated_clips}
 
 
-def probe(path: Path) -> tuple[float, float, int]:
-    """(fps, duration in seconds, frame count) of a video's first video stream."""
+def decode_clips(path: Path, params: ClipParams, starts: list[float] | None = None) -> VideoClips:
+    """Decode the clips ``params`` asks for from one video (or clips at ``starts`` seconds).
+
+    One forward decode from the first frame: every frame's output position is
+    then known, whatever its timestamp says, and the same decode measures the
+    decodable span. A file that decodes short of its header's promise is
+    decoded a second time, with clips placed inside what decodes.
+    """
     with _open(path) as container:
         stream = _video_stream(container, path)
-        return _probe(container, stream)
+        fps, promised_duration, promised_frames = _header(container, stream)
+    decoded = None
+    if promised_duration is None:  # no duration in the header (raw streams, live recordings): measure first
+        decoded = _decode_forward(path, params, [], fps)
+    duration = decoded.span if decoded else promised_duration
+    plan = _plan(params, fps, duration, starts)
+    if isinstance(plan, VideoClips):
+        return plan
+    decoded = _decode_forward(path, params, plan.targets, fps)
+    if starts is None and _falls_short(decoded.span, duration, fps):
+        # Shorter than the header says (truncated): cut the clips from what decodes, with one more pass.
+        plan = _plan(params, fps, decoded.span, starts)
+        if isinstance(plan, VideoClips):
+            return dataclasses.replace(plan, **decoded.facts(promised_frames))
+        decoded = _decode_forward(path, params, plan.targets, fps)
+    return decoded.clips(plan, params, promised_frames, promised_duration)
 
 
-def decode_clips(path: Path, params: ClipParams) -> VideoClips:
-    """Decode the clips ``params`` asks for from one video."""
-    with _open(path) as container:
-        fps, duration, frames = _probe(container, _video_stream(container, path))
+def decode_clip(path: Path, params: ClipParams, start: float) -> np.ndarray:
+    """One clip starting at ``start`` seconds, ``[T, H, W, 3]`` uint8: what on-the-fly loading costs per sample."""
+    return decode_clips(path, params, [start]).clips[0]
+
+
+@dataclasses.dataclass
+class _Plan:
+    starts: list[float]
+    times: np.ndarray
+    """``[K, T]`` seconds from the first frame of every frame of every clip."""
+    looped: bool
+
+    @property
+    def targets(self) -> list[float]:
+        return sorted(set(self.times.ravel().tolist()))
+
+
+def _plan(params: ClipParams, fps: float, duration: float, starts: list[float] | None) -> _Plan | VideoClips:
+    """Clip start times on the frame grid, and the time of every frame of every clip."""
     step = 1.0 / params.target_fps if params.target_fps else params.frame_stride / fps
     span = params.clip_frames * step
-    if duration + 1e-6 < span:
+    short = duration + 1e-6 < span
+    if starts is not None:
+        pass
+    elif short:
         if params.short_videos == "skip":
             empty = np.zeros((0, params.clip_frames, params.height, params.width, 3), np.uint8)
-            return VideoClips(
-                fps,
-                duration,
-                frames,
-                empty,
-                [],
-                status=f"skipped: {duration:.2f} s is shorter than one clip ({span:.2f} s)",
-            )
+            reason = f"skipped: {duration:.2f} s is shorter than one clip ({span:.2f} s)"
+            return VideoClips(fps, duration, 0, empty, [], status=reason)
         starts = [0.0]
     elif params.sampling == "uniform":
         last = duration - span
@@ -114,70 +189,154 @@ def decode_clips(path: Path, params: ClipParams) -> VideoClips:
         starts = [last / 2] if k == 1 else [last * i / (k - 1) for i in range(k)]
     else:
         starts = list(np.arange(0.0, duration - span + 1e-6, params.dense_step_s))
-    resizer = _Resizer(params)
-    clips = np.empty((len(starts), params.clip_frames, params.height, params.width, 3), np.uint8)
-    with _Source(path, params.decode_threads) as source:
-        for c, start in enumerate(starts):
-            times = [start + i * step for i in range(params.clip_frames)]
-            if duration + 1e-6 < span:
-                times = [t % duration for t in times]  # loop a short video to fill the clip
-            clips[c] = _frames_at(source, times, fps, resizer)
-    return VideoClips(fps, duration, frames, clips, [round(float(s), 6) for s in starts])
+    # On the frame grid: frame i of a clip is then source frame round(start * fps) + i * stride exactly.
+    starts = [round(float(s) * fps) / fps for s in starts]
+    times = np.array([[s + i * step for i in range(params.clip_frames)] for s in starts], np.float64)
+    if short and duration > 0:
+        times = times % duration  # loop a short video to fill the clip
+    return _Plan([round(s, 6) for s in starts], times.reshape(len(starts), params.clip_frames), short)
 
 
-def decode_clip(path: Path, params: ClipParams, start: float) -> np.ndarray:
-    """One clip starting at ``start`` seconds, ``[T, H, W, 3]`` uint8: what on-the-fly loading costs per sample."""
-    with _Source(path, params.decode_threads) as source:
-        rate = source.stream.average_rate or source.stream.guessed_rate
-        fps = float(rate) if rate else 25.0
-        step = 1.0 / params.target_fps if params.target_fps else params.frame_stride / fps
-        return _frames_at(source, [start + i * step for i in range(params.clip_frames)], fps, _Resizer(params))
+class _Decoded:
+    """One decode of a stream from its first frame, keeping the frames ``targets`` need under either timing.
+
+    Which timing holds is only known at the end (a timestamp can go backwards
+    at any frame), so both picks are followed; for a file with good timestamps
+    they are the same frames, and each is converted once.
+    """
+
+    def __init__(self, targets: list[float], fps: float, resizer: _Resizer) -> None:
+        self.targets, self.fps, self.resizer = targets, fps, resizer
+        self.by_order = {min(int(t * fps + TOLERANCE), 1 << 40) for t in targets}
+        self.by_pts: list[int] = []
+        """Per target: the frame on screen at that time by timestamps, while they are monotonic."""
+        self.times: list[float | None] = []
+        """Each frame's timestamp on the file's clock (None where it had none), in output order."""
+        self.kept: dict[int, np.ndarray] = {}
+        self.errors: list[tuple[int, str]] = []
+        """(frames decoded before it, reason) of every packet that failed to decode."""
+        self.monotonic = True
+
+    def add(self, frame: av.VideoFrame) -> None:
+        n = len(self.times)
+        t = float(frame.time) if frame.pts is not None else None
+        if self.monotonic and (t is None or (n and t <= self.times[-1])):
+            self.monotonic = False  # from here on only the output order can time frames
+        self.times.append(t)
+        if n in self.by_order:
+            self._keep(n, frame)
+        if self.monotonic and n:
+            rel, tol = t - self.times[0], TOLERANCE / self.fps
+            while len(self.by_pts) < len(self.targets) and self.targets[len(self.by_pts)] + tol < rel:
+                self.by_pts.append(n - 1)  # the previous frame is still on screen at that time
+                self._keep(n - 1, self._held)
+        self._held = frame
+
+    def finish(self) -> None:
+        if not self.times:
+            return
+        last = len(self.times) - 1
+        self._keep(last, self._held)  # a target past the end shows the last frame, by either timing
+        if self.monotonic:
+            self.by_pts += [last] * (len(self.targets) - len(self.by_pts))
+
+    def _keep(self, n: int, frame: av.VideoFrame) -> None:
+        if n not in self.kept:
+            self.kept[n] = self.resizer(frame)
+
+    @property
+    def timing(self) -> Timing:
+        """pts when every frame has a timestamp, they rise, and they step at about the frame rate."""
+        if not self.monotonic or len(self.times) < 2:
+            return "pts" if self.monotonic else "order"
+        steps = np.diff(np.asarray(self.times, np.float64))
+        return "pts" if 0.5 / self.fps <= float(np.median(steps)) <= 2.0 / self.fps else "order"
+
+    @property
+    def span(self) -> float:
+        """Seconds from the first decodable frame to the end of the last one."""
+        if not self.times:
+            return 0.0
+        if self.timing == "pts":
+            return self.times[-1] - self.times[0] + 1 / self.fps
+        return len(self.times) / self.fps
+
+    def facts(self, promised_frames: int) -> dict[str, Any]:
+        first = self.times[0] if self.times and self.times[0] is not None else 0.0
+        return {
+            "frames": len(self.times),
+            "timing": self.timing,
+            "promised_frames": promised_frames,
+            "first_time": round(first, 6),
+            "last_time": round(first + self.span - 1 / self.fps, 6),
+            "duration": round(self.span, 6),
+        }
+
+    def index(self, times: np.ndarray) -> np.ndarray:
+        """The source frame (output position) on screen at each of ``times``."""
+        if self.timing == "pts":
+            lookup = dict(zip(self.targets, self.by_pts))
+            return np.vectorize(lookup.__getitem__, otypes=[np.int64])(times)
+        return np.minimum((times * self.fps + TOLERANCE).astype(np.int64), len(self.times) - 1)
+
+    def unusable(self) -> tuple[float, float] | None:
+        """The span (seconds from the first frame) whose frames failed to decode in mid-stream, if any."""
+        inside = [n for n, _ in self.errors if 0 < n < len(self.times)]
+        if not inside:
+            return None
+        if self.timing == "order":  # positions after a lost frame are unknown: nothing after it is usable
+            return inside[0] / self.fps, float("inf")
+        rel = [t - self.times[0] for t in self.times]
+        return rel[inside[0] - 1] + TOLERANCE / self.fps, rel[inside[-1]] - TOLERANCE / self.fps
+
+    def clips(self, plan: _Plan, params: ClipParams, promised_frames: int, promised_duration: float) -> VideoClips:
+        facts = self.facts(promised_frames)
+        index = self.index(plan.times)
+        keep = np.ones(len(plan.starts), bool)
+        status = "ok"
+        gap = self.unusable()
+        if gap is not None:
+            keep = ~((plan.times > gap[0]) & (plan.times < gap[1])).any(axis=1)
+            end = "the end" if gap[1] == float("inf") else f"{gap[1]:.2f} s"
+            status = (
+                f"damaged: frames from {gap[0]:.2f} s to {end} could not be decoded ({self.errors[0][1]}); "
+                f"{int((~keep).sum())} of {len(keep)} clips dropped"
+            )
+        elif promised_frames and facts["duration"] < promised_duration - max(2 / self.fps, 0.01 * promised_duration):
+            status = (
+                f"partial: decoded {len(self.times)} of {promised_frames} frames (up to {facts['last_time']:.2f} s)"
+            )
+        shape = (int(keep.sum()), params.clip_frames, params.height, params.width, 3)
+        out = np.empty(shape, np.uint8)
+        for c, k in enumerate(np.flatnonzero(keep)):
+            for i, n in enumerate(index[k]):
+                out[c, i] = self.kept[int(n)]
+        repeated = int(sum(len(set(index[k].tolist())) < params.clip_frames for k in np.flatnonzero(keep)))
+        starts = [s for s, k in zip(plan.starts, keep) if k]
+        return VideoClips(self.fps, clips=out, starts=starts, status=status, repeated_clips=repeated, **facts)
 
 
-class _Source:
-    """An open video that can be positioned at a time: by seeking, or by reopening where seeking is impossible."""
-
-    def __init__(self, path: Path, threads: int) -> None:
-        self.path, self.threads = path, threads
-        self.container = None
-        self._reopen()
-
-    def _reopen(self) -> None:
-        if self.container is not None:
-            self.container.close()
-        self.container = _open(self.path)
-        self.stream = _video_stream(self.container, self.path)
-        if self.threads > 1:
-            self.stream.thread_type = "AUTO"
-            self.stream.thread_count = self.threads
-        self.origin = (
-            float(self.stream.start_time * self.stream.time_base) if self.stream.start_time is not None else 0.0
-        )
-
-    def position(self, seconds: float | None) -> bool:
-        """Go to the keyframe at or before ``seconds`` (None: the start). Returns whether a seek was made."""
-        if seconds is not None and seconds > 0:
+def _decode_forward(path: Path, params: ClipParams, targets: list[float], fps: float) -> _Decoded:
+    """Decode every frame from the start; a packet that fails is noted and decoding goes on after it."""
+    decoded = _Decoded(targets, fps, _Resizer(params))
+    with _open(path) as container:
+        stream = _video_stream(container, path)
+        if params.decode_threads > 1:
+            stream.thread_type = "AUTO"
+            stream.thread_count = params.decode_threads
+        for packet in container.demux(stream):
             try:
-                self.container.seek(
-                    int((self.origin + seconds) / self.stream.time_base),
-                    stream=self.stream,
-                    backward=True,
-                    any_frame=False,
-                )
-                return True
-            except (av.error.FFmpegError, OverflowError, ValueError, TypeError):
-                pass  # raw elementary streams cannot seek
-        self._reopen()
-        return False
-
-    def frames(self):
-        return self.container.decode(self.stream)
-
-    def __enter__(self) -> _Source:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.container.close()
+                frames = packet.decode()
+            except av.error.FFmpegError as exc:
+                decoded.errors.append((len(decoded.times), _reason(exc)))
+                continue
+            for frame in frames:
+                decoded.add(frame)
+    decoded.finish()
+    if not decoded.times:
+        why = f" ({decoded.errors[0][1]})" if decoded.errors else ""
+        raise VideoError(f"no decodable frames{why}")
+    return decoded
 
 
 class _Resizer:
@@ -205,51 +364,6 @@ class _Resizer:
         return img[top : top + p.height, left : left + p.width]
 
 
-def _frames_at(source: _Source, times: list[float], fps: float, resizer: _Resizer) -> np.ndarray:
-    """The frames on screen at each of ``times`` (seconds from the video's start)."""
-    order = sorted(range(len(times)), key=times.__getitem__)
-    targets = [times[i] for i in order]
-    tolerance = 0.25 / fps
-    chosen: list[av.VideoFrame | None] = [None] * len(targets)
-    seeked = source.position(targets[0])
-    while True:
-        j, prev, count, overshot = 0, None, 0, False
-        try:
-            for frame in source.frames():
-                t = (float(frame.time) - source.origin) if frame.pts is not None else count / fps
-                count += 1
-                if prev is None and seeked and t > targets[0] + tolerance:
-                    overshot = True  # the seek landed past the first target (a sparse index)
-                    break
-                while j < len(targets) and targets[j] + tolerance < t:
-                    chosen[j] = prev if prev is not None else frame
-                    j += 1
-                prev = frame
-                if j == len(targets):
-                    break
-        except av.error.FFmpegError as exc:
-            raise VideoError(
-                f"decoding failed at {targets[j] if j < len(targets) else targets[-1]:.2f} s: {_reason(exc)}"
-            ) from None
-        if overshot:
-            seeked = source.position(None)  # decode from the start instead
-            continue
-        if prev is None:
-            raise VideoError("no decodable frames")
-        while j < len(targets):  # the stream ended: the last frame stays on screen
-            chosen[j] = prev
-            j += 1
-        break
-    converted: dict[int, np.ndarray] = {}
-    out = np.empty((len(times), resizer.params.height, resizer.params.width, 3), np.uint8)
-    for k, frame in enumerate(chosen):
-        assert frame is not None
-        if id(frame) not in converted:
-            converted[id(frame)] = resizer(frame)
-        out[order[k]] = converted[id(frame)]
-    return out
-
-
 def _open(path: Path):
     try:
         return av.open(str(path), metadata_errors="ignore")
@@ -264,25 +378,29 @@ def _video_stream(container, path: Path):
     return container.streams.video[0]
 
 
-def _probe(container, stream) -> tuple[float, float, int]:
+def _falls_short(span: float, promised: float | None, fps: float) -> bool:
+    """Whether a decodable span is short of the header's promise by more than its usual slack (2 frames, 1%)."""
+    return promised is not None and span < promised - max(2 / fps, 0.01 * promised)
+
+
+def _header(container, stream) -> tuple[float, float | None, int]:
+    """(fps, duration, frames) as the container's header promises them; None where it gives no duration."""
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-    fps = float(rate) if rate else 0.0
+    fps = float(rate) if rate else 25.0
     duration = None
     if stream.duration is not None:
         duration = float(stream.duration * stream.time_base)
     elif container.duration is not None:
         duration = container.duration / 1e6
     frames = stream.frames or 0
-    if duration is None or duration <= 0 or fps <= 0:
-        # No duration in the header (raw streams, some live recordings): count packets instead.
-        count = sum(1 for packet in container.demux(stream) if packet.size)
-        fps = fps or 25.0
-        frames = frames or count
-        duration = count / fps
-    if frames <= 0:
-        frames = int(round(duration * fps))
-    if duration <= 0 or frames <= 0:
-        raise VideoError("video stream has no frames")
+    if frames and duration is not None and container.format.name == "avi":
+        # A truncated AVI's duration comes from what its index still holds; the header's frame count is the promise.
+        # (Not for MP4: its sample count includes frames an edit list cuts.)
+        duration = max(duration, frames / fps)
+    if duration is None and frames:
+        duration = frames / fps
+    if duration is not None and duration <= 0:
+        duration = None
     return fps, duration, frames
 
 

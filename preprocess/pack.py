@@ -42,6 +42,21 @@ from .store import (
 
 log = logging.getLogger(__name__)
 
+# Statuses of videos that are packed but not whole: listed in errors.jsonl as warnings.
+WARNINGS = ("partial", "damaged")
+# What the video table holds for a video that has no clips (failed, or not reached).
+UNPACKED = {
+    "fps": 0.0,
+    "duration": 0.0,
+    "frames": 0,
+    "clips": 0,
+    "timing": "",
+    "promised_frames": 0,
+    "first_time": 0.0,
+    "last_time": 0.0,
+    "repeated_clips": 0,
+}
+
 # Counters in rank 0's window.
 NEXT_VIDEO, NEXT_SHARD, DONE_VIDEOS, DONE_CLIPS, FAILED = range(5)
 
@@ -63,12 +78,15 @@ class PackOptions:
 @dataclasses.dataclass
 class PackSummary:
     videos: int
+    """Videos with clips in the store, partial and damaged ones included."""
     clips: int
     failed: int
     skipped: int
     bytes: int
     seconds: float
     reused_shards: int
+    partial: int = 0
+    """Packed videos that decode short of their header or lost frames midway (errors.jsonl has warnings)."""
 
     @property
     def clips_per_s(self) -> float:
@@ -78,7 +96,8 @@ class PackSummary:
         return (
             f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} "
             "s "
-            f"({self.clips_per_s:.1f} clips/s); {self.failed} failed, {self.skipped} skipped; "
+            f"({self.clips_per_s:.1f} clips/s); {self.partial} partial or damaged, {self.failed} failed, "
+            f"{self.skipped} skipped; "
             f"{self.reused_shards} shards kept from an earlier run"
         )
 
@@ -206,13 +225,7 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
                 writer.add_failure(video_id, f"unexpected {type(exc).__name__}: {exc}")
                 counters.fetch_add(FAILED)
             else:
-                info = {
-                    "fps": result.fps,
-                    "duration": result.duration,
-                    "frames": result.frames,
-                    "status": result.status,
-                }
-                writer.add_video(video_id, classes.index(video["label"]), result.clips, result.starts, info)
+                writer.add_video(video_id, classes.index(video["label"]), result.clips, result.starts, result.record())
                 counters.fetch_add(DONE_CLIPS, len(result.clips))
             counters.fetch_add(DONE_VIDEOS)
             if writer.num_clips >= options.max_shard_clips:
@@ -249,37 +262,41 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
     label_of = {c: i for i, c in enumerate(table["classes"])}
     videos = []
     for i, v in enumerate(table["videos"]):
-        info = found.get(i) or {
-            "fps": 0.0,
-            "duration": 0.0,
-            "frames": 0,
-            "clips": 0,
-            "status": f"failed: {failures.get(i, 'not packed')}",
-        }
+        info = {**UNPACKED, **found.get(i, {"status": f"failed: {failures.get(i, 'not packed')}"})}
         videos.append(
             {
                 "path": v["path"],
                 "label": label_of[v["label"]],
                 "split": v["split"],
-                "status": info["status"],
-                "frames": info["frames"],
-                "fps": info["fps"],
-                "duration": info["duration"],
-                "num_clips": info["clips"],
+                "num_clips": info.pop("clips"),
+                **info,
             }
         )
     params = json.loads((out / "params.json").read_text())
     write_index(out, videos, table["classes"], params, markers)
-    errors = [{"path": table["videos"][i]["path"], "video_id": i, "reason": r} for i, r in sorted(failures.items())]
+    errors = [
+        {"path": table["videos"][i]["path"], "video_id": i, "reason": r, "level": "error"}
+        for i, r in sorted(failures.items())
+    ]
     errors += [
-        {"path": v["path"], "video_id": i, "reason": v["status"]}
+        {"path": v["path"], "video_id": i, "reason": v["status"], "level": "error"}
         for i, v in enumerate(videos)
         if v["status"].startswith("skipped")
     ]
-    errors += [{"path": p, "video_id": None, "reason": f"not taken by the scan: {r}"} for p, r in plan["skipped"]]
+    # Packed, but not whole: the clips come from what decodes, and the user should know what is missing.
+    errors += [
+        {"path": v["path"], "video_id": i, "reason": v["status"], "level": "warning"}
+        for i, v in enumerate(videos)
+        if v["status"].startswith(WARNINGS)
+    ]
+    errors += [
+        {"path": p, "video_id": None, "reason": f"not taken by the scan: {r}", "level": "error"}
+        for p, r in plan["skipped"]
+    ]
     write_errors(out, errors)
     summary = PackSummary(
-        videos=sum(1 for v in videos if v["status"] == "ok"),
+        videos=sum(1 for v in videos if v["status"] == "ok" or v["status"].startswith(WARNINGS)),
+        partial=sum(1 for v in videos if v["status"].startswith(WARNINGS)),
         clips=sum(m["num_clips"] for m in markers),
         failed=len(failures),
         skipped=sum(1 for v in videos if v["status"].startswith("skipped")) + len(plan["skipped"]),

@@ -37,6 +37,19 @@ Codec = Literal["raw", "jpeg"]
 ALIGN_THRESHOLD = 64 * 1024
 ALIGN_INTERVAL = 1024 * 1024
 SPLIT_NAMES = ("train", "val", "test")
+# The video table in index.h5: one entry per scanned video, in id order.
+VIDEO_TEXT = ("path", "split", "status", "timing")
+VIDEO_NUMBERS = {
+    "label": np.int64,
+    "num_clips": np.int64,
+    "frames": np.int64,  # decoded
+    "promised_frames": np.int64,  # what the header said (0: nothing)
+    "fps": np.float64,
+    "duration": np.float64,  # seconds of the decodable span
+    "first_time": np.float64,  # the decodable span on the file's own clock
+    "last_time": np.float64,
+    "repeated_clips": np.int64,
+}
 
 
 class StoreError(UserError):
@@ -210,7 +223,7 @@ def write_index(
     """Write ``index.h5`` (under a temporary name, then renamed) from the committed shards.
 
     ``videos`` is the video table in id order: path, label (index), split, and
-    what decoding found (frames, fps, duration, status).
+    what decoding found (the columns of VIDEO_TEXT and VIDEO_NUMBERS).
     """
     store = Path(store)
     counts = [m["num_clips"] for m in markers]
@@ -223,16 +236,10 @@ def write_index(
         f.attrs["num_clips"] = total
         f.create_dataset("classes", data=np.array(classes, dtype=object), dtype=h5py.string_dtype())
         table = f.create_group("videos")
-        for key, dtype in (
-            ("path", h5py.string_dtype()),
-            ("split", h5py.string_dtype()),
-            ("status", h5py.string_dtype()),
-        ):
-            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=object), dtype=dtype)
-        for key, dtype in (("label", np.int64), ("frames", np.int64), ("num_clips", np.int64)):
+        for key in VIDEO_TEXT:
+            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=object), dtype=h5py.string_dtype())
+        for key, dtype in VIDEO_NUMBERS.items():
             table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=dtype))
-        for key in ("fps", "duration"):
-            table.create_dataset(key, data=np.array([v[key] for v in videos], dtype=np.float64))
         shards = f.create_group("shards")
         shards.create_dataset(
             "name", data=np.array([m["shard"] for m in markers], dtype=object), dtype=h5py.string_dtype()
@@ -329,8 +336,9 @@ class ClipStore:
                 k: (f[k][:] if total else np.zeros(0)) for k in ("labels", "video_ids", "clip_index", "start_times")
             }
             videos = {k: f["videos"][k][:] for k in f["videos"]}
-            for k in ("path", "split", "status"):
-                videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
+            for k in VIDEO_TEXT:
+                if k in videos:  # `timing` is missing from stores packed before it was recorded
+                    videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
             return cls(
                 root=root,
                 classes=[c.decode() if isinstance(c, bytes) else c for c in f["classes"][:]],
