@@ -23,6 +23,7 @@ decodes it and in whatever order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,29 +134,45 @@ def decode_clips(path: Path, params: ClipParams, starts: list[float] | None = No
     decodable span. A file that decodes short of its header's promise is
     decoded a second time, with clips placed inside what decodes.
     """
-    with _open(path) as container:
-        stream = _video_stream(container, path)
-        fps, promised_duration, promised_frames = _header(container, stream)
-    decoded = None
-    if promised_duration is None:  # no duration in the header (raw streams, live recordings): measure first
-        decoded = _decode_forward(path, params, [], fps)
-    duration = decoded.span if decoded else promised_duration
-    plan = _plan(params, fps, duration, starts)
-    if isinstance(plan, VideoClips):
-        return plan
-    decoded = _decode_forward(path, params, plan.targets, fps)
-    if starts is None and _falls_short(decoded.span, duration, fps):
-        # Shorter than the header says (truncated): cut the clips from what decodes, with one more pass.
-        plan = _plan(params, fps, decoded.span, starts)
+    file = _File(path)
+
+    def forward(targets: list[float]) -> _Decoded:
+        return _decode_forward(file.for_a_pass(), path, params, targets, fps)
+
+    try:
+        fps, promised_duration, promised_frames = _header(file.container, _video_stream(file.container, path))
+        decoded = None
+        if promised_duration is None:  # no duration in the header (raw streams, live recordings): measure first
+            decoded = forward([])
+        duration = decoded.span if decoded else promised_duration
+        plan = _plan(params, fps, duration, starts)
         if isinstance(plan, VideoClips):
-            return dataclasses.replace(plan, **decoded.facts(promised_frames))
-        decoded = _decode_forward(path, params, plan.targets, fps)
-    return decoded.clips(plan, params, promised_frames, promised_duration)
+            return plan
+        decoded = forward(plan.targets)
+        if starts is None and _falls_short(decoded.span, duration, fps):
+            # Shorter than the header says (truncated): cut the clips from what decodes, with one more pass.
+            plan = _plan(params, fps, decoded.span, starts)
+            if isinstance(plan, VideoClips):
+                return dataclasses.replace(plan, **decoded.facts(promised_frames))
+            decoded = forward(plan.targets)
+        return decoded.clips(plan, params, promised_frames, promised_duration)
+    finally:
+        file.container.close()
 
 
-def decode_clip(path: Path, params: ClipParams, start: float) -> np.ndarray:
-    """One clip starting at ``start`` seconds, ``[T, H, W, 3]`` uint8: what on-the-fly loading costs per sample."""
-    return decode_clips(path, params, [start]).clips[0]
+class _File:
+    """A video's container: the one its header was read from serves the first pass (opening probes the
+    stream, which costs as much as a few percent of decoding a short video); later passes reopen it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.container, self.fresh = path, _open(path), True
+
+    def for_a_pass(self):
+        if not self.fresh:
+            self.container.close()
+            self.container = _open(self.path)
+        self.fresh = False
+        return self.container
 
 
 @dataclasses.dataclass
@@ -226,9 +243,9 @@ class _Decoded:
         if n in self.by_order:
             self._keep(n, frame)
         if self.monotonic and n:
-            rel, tol = t - self.times[0], TOLERANCE / self.fps
-            while len(self.by_pts) < len(self.targets) and self.targets[len(self.by_pts)] + tol < rel:
-                self.by_pts.append(n - 1)  # the previous frame is still on screen at that time
+            picked, due = self.by_pts, t - self.times[0] - TOLERANCE / self.fps
+            while len(picked) < len(self.targets) and self.targets[len(picked)] < due:
+                picked.append(n - 1)  # the previous frame is still on screen at that time
                 self._keep(n - 1, self._held)
         self._held = frame
 
@@ -236,17 +253,20 @@ class _Decoded:
         if not self.times:
             return
         last = len(self.times) - 1
-        self._keep(last, self._held)  # a target past the end shows the last frame, by either timing
-        if self.monotonic:
+        # A target past the end shows the last frame, by either timing.
+        if self.monotonic and len(self.by_pts) < len(self.targets):
             self.by_pts += [last] * (len(self.targets) - len(self.by_pts))
+            self._keep(last, self._held)
+        if any(n > last for n in self.by_order):
+            self._keep(last, self._held)
 
     def _keep(self, n: int, frame: av.VideoFrame) -> None:
         if n not in self.kept:
             self.kept[n] = self.resizer(frame)
 
-    @property
+    @functools.cached_property
     def timing(self) -> Timing:
-        """pts when every frame has a timestamp, they rise, and they step at about the frame rate."""
+        """pts when every frame has a timestamp, they rise, and they step at about the frame rate (after finish)."""
         if not self.monotonic or len(self.times) < 2:
             return "pts" if self.monotonic else "order"
         steps = np.diff(np.asarray(self.times, np.float64))
@@ -276,7 +296,7 @@ class _Decoded:
         """The source frame (output position) on screen at each of ``times``."""
         if self.timing == "pts":
             lookup = dict(zip(self.targets, self.by_pts))
-            return np.vectorize(lookup.__getitem__, otypes=[np.int64])(times)
+            return np.array([[lookup[t] for t in row] for row in times.tolist()], np.int64).reshape(times.shape)
         return np.minimum((times * self.fps + TOLERANCE).astype(np.int64), len(self.times) - 1)
 
     def unusable(self) -> tuple[float, float] | None:
@@ -302,24 +322,23 @@ class _Decoded:
                 f"damaged: frames from {gap[0]:.2f} s to {end} could not be decoded ({self.errors[0][1]}); "
                 f"{int((~keep).sum())} of {len(keep)} clips dropped"
             )
-        elif promised_frames and facts["duration"] < promised_duration - max(2 / self.fps, 0.01 * promised_duration):
-            status = (
-                f"partial: decoded {len(self.times)} of {promised_frames} frames (up to {facts['last_time']:.2f} s)"
-            )
-        shape = (int(keep.sum()), params.clip_frames, params.height, params.width, 3)
-        out = np.empty(shape, np.uint8)
-        for c, k in enumerate(np.flatnonzero(keep)):
-            for i, n in enumerate(index[k]):
-                out[c, i] = self.kept[int(n)]
-        repeated = int(sum(len(set(index[k].tolist())) < params.clip_frames for k in np.flatnonzero(keep)))
+        elif _falls_short(self.span, promised_duration, self.fps):
+            promised = promised_frames or round(promised_duration * self.fps)
+            status = f"partial: decoded {len(self.times)} of {promised} frames (up to {facts['last_time']:.2f} s)"
+        index = index[keep]
+        out = np.empty((len(index), params.clip_frames, params.height, params.width, 3), np.uint8)
+        for c, row in enumerate(index.tolist()):
+            for i, n in enumerate(row):
+                out[c, i] = self.kept[n]
+        repeated = int(sum(len(set(row)) < params.clip_frames for row in index.tolist()))
         starts = [s for s, k in zip(plan.starts, keep) if k]
         return VideoClips(self.fps, clips=out, starts=starts, status=status, repeated_clips=repeated, **facts)
 
 
-def _decode_forward(path: Path, params: ClipParams, targets: list[float], fps: float) -> _Decoded:
+def _decode_forward(container, path: Path, params: ClipParams, targets: list[float], fps: float) -> _Decoded:
     """Decode every frame from the start; a packet that fails is noted and decoding goes on after it."""
     decoded = _Decoded(targets, fps, _Resizer(params))
-    with _open(path) as container:
+    with container:
         stream = _video_stream(container, path)
         if params.decode_threads > 1:
             stream.thread_type = "AUTO"
@@ -340,28 +359,42 @@ def _decode_forward(path: Path, params: ClipParams, targets: list[float], fps: f
 
 
 class _Resizer:
-    """One swscale context reused for every frame (1.5-3x faster than a new one per frame)."""
+    """One swscale context reused for every frame (1.5-3x faster than a new one per frame).
+
+    The geometry is worked out once per frame size and rotation: reading the rotation from each
+    frame's side data and recomputing it was a visible part of the per-frame cost.
+    """
 
     def __init__(self, params: ClipParams) -> None:
         self.params = params
         self.reformatter = av.video.reformatter.VideoReformatter()
+        self.rotation: int | None = None
+        self.geometry: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def __call__(self, frame: av.VideoFrame) -> np.ndarray:
-        p = self.params
-        rotation = int(round((frame.rotation or 0) / 90)) % 4  # quarter turns counter-clockwise
-        w, h = (frame.height, frame.width) if rotation % 2 else (frame.width, frame.height)
+        if self.rotation is None:  # quarter turns counter-clockwise, from the stream's display matrix
+            self.rotation = int(round((frame.rotation or 0) / 90)) % 4
+        size = (frame.width, frame.height)
+        if size not in self.geometry:
+            self.geometry[size] = self._geometry(*size)
+        cw, ch, top, left = self.geometry[size]
+        rgb = self.reformatter.reformat(frame, width=cw, height=ch, format="rgb24", interpolation="BILINEAR", threads=1)
+        img = rgb.to_ndarray()
+        if self.rotation:
+            img = np.rot90(img, k=self.rotation)
+        return img[top : top + self.params.height, left : left + self.params.width]
+
+    def _geometry(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(scaled width, scaled height) before turning, and the crop's (top, left) after."""
+        p, turned = self.params, self.rotation % 2
+        w, h = (height, width) if turned else (width, height)
         if p.resize == "stretch":
             dw, dh = p.width, p.height
         else:
             scale = max(p.width / w, p.height / h)
             dw, dh = max(p.width, round(w * scale)), max(p.height, round(h * scale))
-        cw, ch = (dh, dw) if rotation % 2 else (dw, dh)
-        rgb = self.reformatter.reformat(frame, width=cw, height=ch, format="rgb24", interpolation="BILINEAR", threads=1)
-        img = rgb.to_ndarray()
-        if rotation:
-            img = np.rot90(img, k=rotation)
-        top, left = (img.shape[0] - p.height) // 2, (img.shape[1] - p.width) // 2
-        return img[top : top + p.height, left : left + p.width]
+        cw, ch = (dh, dw) if turned else (dw, dh)
+        return cw, ch, (dh - p.height) // 2, (dw - p.width) // 2
 
 
 def _open(path: Path):

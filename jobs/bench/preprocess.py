@@ -11,7 +11,8 @@ On the same videos it measures:
 * clipforge's decoding (one forward decode, timing decided per video);
 * packing with 1 and 2 MPI ranks (ratio to the limit, parallel efficiency);
 * reading clips from the store with the training reader, in random order,
-  against decoding the same clips from the video files on the fly.
+  against decoding the same clips from the video files on the fly, seeking to
+  each as SlowFast's and VideoMAE's loaders do.
 
 The sides are measured in turn, ``--repeats`` times; each figure is the median
 over the repeats and each ratio the median of the paired ratios, with their
@@ -37,7 +38,7 @@ import tyro
 
 from clipforge.hpc.mpi import mpiexec_command
 from clipforge.preprocess import synthetic
-from clipforge.preprocess.decode import ClipParams, decode_clip, decode_clips
+from clipforge.preprocess.decode import ClipParams, decode_clips
 from clipforge.preprocess.reader import ClipDataset
 
 
@@ -72,22 +73,25 @@ def bare_decode(paths: list[Path], params: ClipParams) -> int:
             duration = float(stream.duration * stream.time_base)
             span = params.clip_frames * params.frame_stride / fps
             for k in range(params.clips_per_video):
-                start = (duration - span) * k / (params.clips_per_video - 1)
-                container.seek(int(start / stream.time_base), stream=stream)
-                taken = 0
-                for i, frame in enumerate(f for f in container.decode(stream) if f.time >= start - 1e-6):
-                    if i % params.frame_stride == 0:
-                        scale = max(params.width / frame.width, params.height / frame.height)
-                        w, h = round(frame.width * scale), round(frame.height * scale)
-                        img = reformatter.reformat(frame, width=w, height=h, format="rgb24", threads=1).to_ndarray()
-                        img[(h - params.height) // 2 :][: params.height, (w - params.width) // 2 :][
-                            :, : params.width
-                        ].copy()
-                        taken += 1
-                        if taken == params.clip_frames:
-                            break
+                seek_clip(container, (duration - span) * k / (params.clips_per_video - 1), params, reformatter)
                 clips += 1
     return clips
+
+
+def seek_clip(container, start: float, params: ClipParams, reformatter) -> None:
+    """Seek to the keyframe before ``start``, decode forward, take every stride-th frame from ``start`` on."""
+    stream = container.streams.video[0]
+    container.seek(int(start / stream.time_base), stream=stream)
+    taken = 0
+    for i, frame in enumerate(f for f in container.decode(stream) if f.time >= start - 1e-6):
+        if i % params.frame_stride == 0:
+            scale = max(params.width / frame.width, params.height / frame.height)
+            w, h = round(frame.width * scale), round(frame.height * scale)
+            img = reformatter.reformat(frame, width=w, height=h, format="rgb24", threads=1).to_ndarray()
+            img[(h - params.height) // 2 :][: params.height, (w - params.width) // 2 :][:, : params.width].copy()
+            taken += 1
+            if taken == params.clip_frames:
+                break
 
 
 def forward_decode(paths: list[Path], params: ClipParams) -> int:
@@ -131,12 +135,14 @@ def read_clips(dataset: ClipDataset, order: np.ndarray) -> int:
 
 
 def decode_on_the_fly(dataset: ClipDataset, picks: np.ndarray, corpus: Path) -> int:
-    """The same clips decoded from the video files, as loaders without a store do."""
+    """The same clips decoded from the video files by seeking to each, as SlowFast's and VideoMAE's loaders do."""
     store = dataset.store
+    reformatter = av.video.reformatter.VideoReformatter()
     for i in picks:
         position = int(dataset.positions[int(i)])
         video = store.videos["path"][store.video_ids[position]]
-        decode_clip(corpus / video, PARAMS, float(store.start_times[position]))
+        with av.open(str(corpus / video)) as container:
+            seek_clip(container, float(store.start_times[position]), PARAMS, reformatter)
     return len(picks)
 
 
