@@ -6,7 +6,7 @@ clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
 clipforge jobs sbatch-lines              #SBATCH lines for given resources
 clipforge registry init|push|list|show|diff|pull|promote|review|gc
                                          model versions as Git LFS branches
-clipforge store inspect STORE            a clip store's videos: timing, decodable span, what is odd
+clipforge store inspect|verify STORE     a clip store's videos (timing, decodable span, what is odd); its shards
 clipforge demo                           the main job on the embedded default
 """
 
@@ -169,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="everything, every video included, as JSON")
     inspect.add_argument("--all", action="store_true", help="list every video, not only those worth a look")
     inspect.set_defaults(func=_store_inspect)
+    verify = ssub.add_parser("verify", help="check that every shard is there with the size the index recorded")
+    verify.add_argument("store", help="the store's directory")
+    verify.set_defaults(func=_store_verify)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
     demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
@@ -318,6 +321,15 @@ def _store_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
     report = inspect_store(Path(args.store))
     print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines(every_video=args.all)))
+    return 0
+
+
+def _store_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    from clipforge.preprocess.store import ClipStore
+
+    store = ClipStore.open(Path(args.store))
+    store.verify()
+    print(f"{args.store}: {len(store.shard_names)} shards, every one present with its recorded size")
     return 0
 
 

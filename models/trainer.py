@@ -15,6 +15,7 @@ holds the model (plain or pipeline) in :mod:`.layout`, checkpoints in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from clipforge.hpc.accelerator import peak
-from clipforge.hpc.distenv import DistEnv, setup_distributed, task_device
+from clipforge.hpc.distenv import DistEnv, collective_device, setup_distributed, task_device
+from clipforge.hpc.lock import WriterBusy, WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.requeue import Preemption
 from clipforge.preprocess.reader import ClipDataset
@@ -102,8 +104,6 @@ class Trainer:
 
         s = self.settings
         torch.manual_seed(s.seed)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
         self._universal_tag = self._universal_checkpoint()
         if s.data.class_balance == "loss":
             counts = np.bincount(self.train_set.labels, minlength=len(self.store.classes)).astype(np.float64)
@@ -260,6 +260,37 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        self._join()
+        with self._run_dir_lock():
+            return self._train()
+
+    def _join(self) -> None:
+        """Start the process group (before anything touches the run directory, so that every rank can agree)."""
+        import deepspeed
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
+
+    @contextlib.contextmanager
+    def _run_dir_lock(self):
+        """One job writes a run directory: rank 0 takes its lock, and every rank stops with the same line if not."""
+        lock = WriterLock(self.settings.run_dir, "run directory") if self.dist.is_main else None
+        refusal = [None]
+        if lock is not None:
+            try:
+                lock.acquire()
+            except WriterBusy as exc:
+                refusal = [str(exc)]
+        torch.distributed.broadcast_object_list(refusal, src=0, device=collective_device())
+        if refusal[0] is not None:
+            raise WriterBusy(refusal[0])
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self) -> dict[str, Any]:
         s = self.settings
         self.run.prepare()
         self._fit_to_checkpoint()

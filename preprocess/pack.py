@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from clipforge.hpc.errors import UserError
+from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
 
@@ -85,6 +86,8 @@ class PackSummary:
     bytes: int
     seconds: float
     reused_shards: int
+    disk: int = 0
+    """Bytes the shards take on disk (equal to ``bytes`` but for a block's rounding: shards have no holes)."""
     partial: int = 0
     """Packed videos that decode short of their header or lost frames midway (errors.jsonl has warnings)."""
 
@@ -94,7 +97,8 @@ class PackSummary:
 
     def line(self) -> str:
         return (
-            f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} "
+            f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB, "
+            f"{self.disk / 2**20:.1f} MiB on disk) in {self.seconds:.1f} "
             "s "
             f"({self.clips_per_s:.1f} clips/s); {self.partial} partial or damaged, {self.failed} failed, "
             f"{self.skipped} skipped; "
@@ -127,30 +131,34 @@ def pack_corpus(
 
     comm = comm or MPI.COMM_WORLD
     started = time.time()
-    plan = _plan(source, out, params, options, ratios) if comm.rank == 0 else None
-    plan = comm.bcast(plan, root=0)
-    if isinstance(plan, Exception):
-        raise plan  # every rank stops with rank 0's one-line reason
-    counters = _Counters(comm, plan["next_shard"])
+    lock = WriterLock(out, "clip store") if comm.rank == 0 else None  # one packing job per store
     try:
-        _work(plan, out, params, options, comm, counters)
+        plan = _plan(source, out, params, options, ratios, lock) if lock else None
+        plan = comm.bcast(plan, root=0)
+        if isinstance(plan, Exception):
+            raise plan  # every rank stops with rank 0's one-line reason
+        counters = _Counters(comm, plan["next_shard"])
+        try:
+            _work(plan, out, params, options, comm, counters)
+        finally:
+            counters.free()
+        return _finish(plan, out, time.time() - started) if lock else None
     finally:
-        counters.free()
-    if comm.rank != 0:
-        return None
-    return _finish(plan, out, time.time() - started)
+        if lock:
+            lock.release()
 
 
 def _plan(
-    source: Path, out: Path, params: ClipParams, options: PackOptions, ratios: SplitRatios
+    source: Path, out: Path, params: ClipParams, options: PackOptions, ratios: SplitRatios, lock: WriterLock
 ) -> dict[str, Any] | Exception:
-    """Rank 0: scan, check the directory, and list what is left to do (longest first)."""
+    """Rank 0: scan, take the store's writer lock, check the directory, list what is left to do (longest first)."""
     try:
         params.check()
         corpus = scan(source, ratios)
         out = Path(out)
         stripe_directory(out, count=1)  # file-per-process shards: one OST each, set before the first byte
         stripe_directory(out / "shards", count=1)
+        lock.acquire()
         existing = out / "videos.json"
         old = json.loads(existing.read_text()) if existing.exists() else None
         fresh = {
@@ -301,6 +309,7 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
         failed=len(failures),
         skipped=sum(1 for v in videos if v["status"].startswith("skipped")) + len(plan["skipped"]),
         bytes=sum(m["size"] for m in markers),
+        disk=sum(m.get("disk", m["size"]) for m in markers),
         seconds=seconds,
         reused_shards=plan["reused"],
     )

@@ -1,7 +1,7 @@
 """What a packed store holds, video by video: ``clipforge store inspect STORE``.
 
-It reads the video table of ``index.h5`` (no shard is opened), so it costs the
-same for a store of a million videos as for one of ten.
+It reads ``index.h5`` alone (no shard is opened), so it costs the same for a
+store of ten thousand shards as for one of ten.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class StoreReport:
     codec: str
     clip_shape: tuple[int, int, int]
     videos: list[VideoQuality]
+    shards: int = 0
+    bytes: int = 0
+    """Apparent size of the shards."""
+    disk: int = 0
+    """What the shards take on disk."""
 
     @property
     def clips(self) -> int:
@@ -64,6 +69,9 @@ class StoreReport:
             "repeated_clips": repeated,
             "repeated_share": round(repeated / self.clips, 4) if self.clips else 0.0,
             "worth_a_look": sum(1 for v in self.videos if v.look),
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "bytes_on_disk": self.disk,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -80,6 +88,7 @@ class StoreReport:
             "  status: " + ", ".join(f"{n} {k}" for k, n in sorted(s["status"].items())),
             "  timing: " + (", ".join(f"{n} by {k}" for k, n in sorted(s["timing"].items())) or "not recorded"),
             f"  clips with a repeated frame: {s['repeated_clips']} of {s['clips']} ({100 * s['repeated_share']:.1f}%)",
+            f"  {self.shards} shards, {self.bytes / 2**20:.1f} MiB ({self.disk / 2**20:.1f} MiB on disk)",
         ]
         shown = self.videos if every_video else [v for v in self.videos if v.look]
         if not shown:
@@ -121,4 +130,5 @@ def inspect_store(root: Path) -> StoreReport:
     params = store.params
     shape = (int(params["clip_frames"]), int(params["height"]), int(params["width"]))
     store.close()
-    return StoreReport(Path(root), store.codec, shape, videos)
+    sizes = (len(store.shard_names), int(store.shard_sizes.sum()), int(store.shard_disk.sum()))
+    return StoreReport(Path(root), store.codec, shape, videos, *sizes)

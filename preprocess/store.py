@@ -21,6 +21,7 @@ import dataclasses
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -33,12 +34,17 @@ from clipforge.hpc.files import sha256, write_json, write_text
 
 FORMAT_VERSION = 1
 Codec = Literal["raw", "jpeg"]
-# Chunks aligned to a Lustre stripe-friendly boundary (1 MiB) once they are at least 64 KiB.
-ALIGN_THRESHOLD = 64 * 1024
-ALIGN_INTERVAL = 1024 * 1024
+# Chunks are not aligned to stripes. Shards are single-stripe files (``lfs setstripe -c 1``), so a
+# chunk never spans OSTs and alignment buys nothing but holes (a 221 KB clip in a 1 MiB slot made
+# shards 4.7x their data); unaligned, bytes on disk equal the apparent size.
+# Shard handles one process keeps open (least recently used closed first): well under a 1,024 fd limit
+# divided by the DataLoader workers of a rank.
+MAX_OPEN_SHARDS = 64
 SPLIT_NAMES = ("train", "val", "test")
 # The video table in index.h5: one entry per scanned video, in id order.
 VIDEO_TEXT = ("path", "split", "status", "timing")
+# Per-clip columns: in every shard, and copied whole into index.h5 (columns/...).
+CLIP_COLUMNS = {"labels": np.int64, "video_ids": np.int64, "clip_index": np.int32, "start_times": np.float64}
 VIDEO_NUMBERS = {
     "label": np.int64,
     "num_clips": np.int64,
@@ -64,7 +70,7 @@ def _h5(path: Path, mode: str) -> h5py.File:
     # locking=False: HDF5's file locks fail or hang on Lustre and NFS (h5py #1101).
     if mode == "r":
         return h5py.File(path, "r", locking=False)
-    return h5py.File(path, mode, locking=False, alignment_threshold=ALIGN_THRESHOLD, alignment_interval=ALIGN_INTERVAL)
+    return h5py.File(path, mode, locking=False)
 
 
 # --------------------------------------------------------------------------- writing
@@ -90,12 +96,7 @@ class ShardWriter:
             )
         self.columns = {
             name: self.file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(1024,))
-            for name, dtype in (
-                ("labels", np.int64),
-                ("video_ids", np.int64),
-                ("clip_index", np.int32),
-                ("start_times", np.float64),
-            )
+            for name, dtype in CLIP_COLUMNS.items()
         }
         self.file.attrs["format_version"] = FORMAT_VERSION
         self.file.attrs["codec"] = codec
@@ -141,6 +142,7 @@ class ShardWriter:
             "number": self.number,
             "num_clips": self.num_clips,
             "size": stat.st_size,
+            "disk": stat.st_blocks * 512,
             "videos": {str(k): v for k, v in self.videos.items()},
             "failed": {str(k): v for k, v in self.failed.items()},
         }
@@ -166,10 +168,26 @@ def encode_jpeg(clips: np.ndarray, quality: int) -> np.ndarray:
 
 
 def decode_jpeg(frames: Iterable[np.ndarray]) -> np.ndarray:
-    """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8."""
-    from PIL import Image
+    """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8, with libjpeg-turbo through torchvision.
 
-    return np.stack([np.asarray(Image.open(io.BytesIO(np.asarray(f).tobytes())).convert("RGB")) for f in frames])
+    One frame at a time into one array: torchvision's batched call returns separate CHW tensors,
+    and stacking and transposing them cost more than the batching saved on CPU.
+    """
+    import torch
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as turbo
+
+    # torchvision 0.29 warns on every call that its image codecs will move to TorchCodec; the pinned
+    # version keeps them, and one warning per frame would flood every worker's log.
+    warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning)
+
+    out = None
+    for t, frame in enumerate(frames):
+        rgb = turbo(torch.frombuffer(memoryview(np.asarray(frame)), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        if out is None:
+            out = np.empty((len(frames), rgb.shape[1], rgb.shape[2], 3), np.uint8)
+        out[t] = rgb.permute(1, 2, 0).numpy()
+    return out
 
 
 def committed_markers(store: Path) -> list[dict[str, Any]]:
@@ -247,24 +265,29 @@ def write_index(
         shards.create_dataset("size", data=np.array([m["size"] for m in markers], dtype=np.int64))
         shards.create_dataset("num_clips", data=np.array(counts, dtype=np.int64))
         shards.create_dataset("offset", data=offsets[:-1])
-        video_ids = np.empty(total, np.int64)
-        clip_index = np.empty(total, np.int64)
-        for name in ("clips", "labels", "video_ids", "clip_index", "start_times"):
-            layout = None
-            for m, lo in zip(markers, offsets):
-                if not m["num_clips"]:
-                    continue
-                with _h5(store / "shards" / m["shard"], "r") as shard:
+        shards.create_dataset("disk", data=np.array([m.get("disk", m["size"]) for m in markers], dtype=np.int64))
+        # Real copies of the small per-clip columns, so that opening the store reads this file alone; the
+        # virtual datasets beside them are for outside tools (h5ls, h5dump), and reading one opens every shard.
+        columns = {name: np.empty(total, dtype) for name, dtype in CLIP_COLUMNS.items()}
+        layouts: dict[str, h5py.VirtualLayout] = {}
+        for m, lo in zip(markers, offsets):
+            if not m["num_clips"]:
+                continue
+            with _h5(store / "shards" / m["shard"], "r") as shard:
+                for name in ("clips", *CLIP_COLUMNS):
                     ds = shard[name]
-                    if layout is None:
-                        layout = h5py.VirtualLayout(shape=(total, *ds.shape[1:]), dtype=ds.dtype)
-                    layout[lo : lo + m["num_clips"]] = h5py.VirtualSource(f"shards/{m['shard']}", name, shape=ds.shape)
-                    if name == "video_ids":
-                        video_ids[lo : lo + m["num_clips"]] = ds[:]
-                    elif name == "clip_index":
-                        clip_index[lo : lo + m["num_clips"]] = ds[:]
-            if layout is not None:
-                f.create_virtual_dataset(name, layout)
+                    if name not in layouts:
+                        layouts[name] = h5py.VirtualLayout(shape=(total, *ds.shape[1:]), dtype=ds.dtype)
+                    layouts[name][lo : lo + m["num_clips"]] = h5py.VirtualSource(
+                        f"shards/{m['shard']}", name, shape=ds.shape
+                    )
+                    if name in columns:
+                        columns[name][lo : lo + m["num_clips"]] = ds[:]
+        for name, layout in layouts.items():
+            f.create_virtual_dataset(name, layout)
+        for name, values in columns.items():
+            f.create_dataset(f"columns/{name}", data=values)
+        video_ids, clip_index = columns["video_ids"], columns["clip_index"]
         # Index order: by video, then by clip, whichever rank wrote what.
         order = np.lexsort((clip_index, video_ids)) if total else np.zeros(0, np.int64)
         f.create_dataset("order", data=order.astype(np.int64))
@@ -314,10 +337,16 @@ class ClipStore:
     videos: dict[str, np.ndarray]
     shard_names: list[str]
     shard_offsets: np.ndarray
+    shard_sizes: np.ndarray
+    """Apparent bytes of each shard, as committed."""
+    shard_disk: np.ndarray
+    """Bytes on disk of each shard, as committed."""
+    max_open_shards: int = MAX_OPEN_SHARDS
     _handles: dict[tuple[int, int], h5py.File] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: Path) -> ClipStore:
+    def open(cls, root: Path, max_open_shards: int = MAX_OPEN_SHARDS) -> ClipStore:
+        """Read ``index.h5`` and nothing else: no shard is opened or even looked at until a clip is read."""
         root = Path(root)
         index = root / "index.h5"
         if not index.exists():
@@ -327,14 +356,11 @@ class ClipStore:
                 raise StoreError(
                     f"{index}: format version {f.attrs.get('format_version')} is not {FORMAT_VERSION}; repack it"
                 )
-            names = [n.decode() if isinstance(n, bytes) else n for n in f["shards/name"][:]]
-            sizes = f["shards/size"][:]
-            _check_shards(root, names, sizes)
             params = json.loads(f.attrs["params"])
             total = int(f.attrs["num_clips"])
-            columns = {
-                k: (f[k][:] if total else np.zeros(0)) for k in ("labels", "video_ids", "clip_index", "start_times")
-            }
+            # Stores indexed before the columns were copied read them through the virtual datasets.
+            source = f["columns"] if "columns" in f else f
+            columns = {k: (source[k][:] if total else np.zeros(0)) for k in CLIP_COLUMNS}
             videos = {k: f["videos"][k][:] for k in f["videos"]}
             for k in VIDEO_TEXT:
                 if k in videos:  # `timing` is missing from stores packed before it was recorded
@@ -351,9 +377,17 @@ class ClipStore:
                 order=f["order"][:],
                 splits={s: f["splits"][s][:] for s in SPLIT_NAMES},
                 videos=videos,
-                shard_names=names,
+                shard_names=[n.decode() if isinstance(n, bytes) else n for n in f["shards/name"][:]],
                 shard_offsets=f["shards/offset"][:],
+                shard_sizes=f["shards/size"][:],
+                shard_disk=f["shards/disk"][:] if "disk" in f["shards"] else f["shards/size"][:],
+                max_open_shards=max_open_shards,
             )
+
+    def verify(self) -> None:
+        """Check that every shard is there with the size the index recorded (``clipforge store verify``)."""
+        for s in range(len(self.shard_names)):
+            self._check_shard(s)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -393,11 +427,32 @@ class ClipStore:
         return decode_jpeg(clips[local])
 
     def _shard(self, s: int) -> h5py.File:
+        """Shard ``s`` opened in this process; at most ``max_open_shards`` stay open (least recently used go)."""
         key = (os.getpid(), s)
-        handle = self._handles.get(key)
+        handle = self._handles.pop(key, None)
         if handle is None:
-            handle = self._handles[key] = _h5(self.root / "shards" / self.shard_names[s], "r")
+            self._check_shard(s)
+            handle = _h5(self.root / "shards" / self.shard_names[s], "r")
+            mine = [k for k in self._handles if k[0] == key[0]]
+            for old in mine[: max(0, len(mine) + 1 - self.max_open_shards)]:
+                self._handles.pop(old).close()
+        self._handles[key] = handle  # most recently used last (dicts keep insertion order)
         return handle
+
+    def _check_shard(self, s: int) -> None:
+        """An HDF5 file cut short reads garbage or fails deep inside h5py; refuse it with its name instead."""
+        path = self.root / "shards" / self.shard_names[s]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise StoreError(
+                f"{path} is missing from the store; rerun the packing job on {self.root} to rebuild it"
+            ) from None
+        if size != int(self.shard_sizes[s]):
+            raise StoreError(
+                f"{path} is {size} bytes but the index says {int(self.shard_sizes[s])} (truncated or replaced); "
+                f"rerun the packing job on {self.root} with --overwrite"
+            )
 
     def close(self) -> None:
         for key, handle in list(self._handles.items()):
@@ -410,16 +465,3 @@ class ClipStore:
         state = dict(self.__dict__)
         state["_handles"] = {}
         return state
-
-
-def _check_shards(root: Path, names: list[str], sizes: np.ndarray) -> None:
-    """An HDF5 virtual dataset returns zeros for a missing source file; refuse instead."""
-    for name, size in zip(names, sizes):
-        path = root / "shards" / name
-        if not path.exists():
-            raise StoreError(f"{path} is missing from the store; rerun the packing job on {root} to rebuild it")
-        if path.stat().st_size != int(size):
-            raise StoreError(
-                f"{path} is {path.stat().st_size} bytes but the index says {int(size)} (truncated or replaced); "
-                f"rerun the packing job on {root} with --overwrite"
-            )

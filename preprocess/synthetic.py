@@ -171,7 +171,7 @@ def write_store(
     Every ``val_every``-th video of a class and its last go to ``val``, the rest to ``train``. There are no
     source files: the store's clips are all there is to evaluate.
     """
-    from .decode import ClipParams
+    from .decode import ClipParams, VideoClips
     from .store import ShardWriter, write_index, write_params, write_videos
 
     params = ClipParams(
@@ -188,12 +188,39 @@ def write_store(
             rendered = render_frames(spec)
             starts = [k * clip_frames for k in range(clips_per_video)]
             clips = np.stack([rendered[s : s + clip_frames] for s in starts])
-            info = {"fps": float(spec.fps), "duration": frames / spec.fps, "frames": frames, "status": "ok"}
-            writer.add_video(len(videos), label, clips, [s / spec.fps for s in starts], info)
+            times = [s / spec.fps for s in starts]
+            info = VideoClips(
+                float(spec.fps), frames / spec.fps, frames, clips, times, promised_frames=frames,
+                last_time=(frames - 1) / spec.fps,
+            ).record()  # fmt: skip
+            writer.add_video(len(videos), label, clips, times, info)
             split = "val" if i % val_every == val_every - 1 or i == videos_per_class - 1 else "train"
             videos.append({"path": f"{name}/{name}_{i:03d}", "label": label, "split": split, **info})
             videos[-1]["num_clips"] = clips_per_video
     marker = writer.commit()
     write_videos(out, {"root": None, "classes": CLASSES, "videos": videos})
     write_index(out, videos, CLASSES, json.loads((Path(out) / "params.json").read_text()), [marker])
+    return Path(out)
+
+
+def write_sharded_store(out: Path, shards: int, clip_frames: int = 2, size: int = 8, codec: str = "raw") -> Path:
+    """A store of ``shards`` one-video shards of tiny clips, written directly: the shape of a corpus packed by
+    thousands of ranks, for scale checks of opening and reading (file opens, descriptors), not of pixels."""
+    from .decode import ClipParams, VideoClips
+    from .store import ShardWriter, write_index, write_params, write_videos
+
+    params = ClipParams(clip_frames=clip_frames, frame_stride=1, clips_per_video=1, height=size, width=size)
+    write_params(out, {**dataclasses.asdict(params), "codec": codec, "jpeg_quality": 90}, overwrite=True)
+    rng = np.random.default_rng(0)
+    videos, markers = [], []
+    for n in range(shards):
+        label = n % len(CLASSES)
+        clips = rng.integers(0, 256, (1, clip_frames, size, size, 3), dtype=np.uint8)
+        info = VideoClips(25.0, clip_frames / 25, clip_frames, clips, [0.0], promised_frames=clip_frames).record()
+        writer = ShardWriter(out, n, (clip_frames, size, size), codec)
+        writer.add_video(n, label, clips, [0.0], info)
+        markers.append(writer.commit())
+        videos.append({"path": f"{CLASSES[label]}/{n:06d}", "label": label, "split": "train", "num_clips": 1, **info})
+    write_videos(out, {"root": None, "classes": CLASSES, "videos": videos})
+    write_index(out, videos, CLASSES, json.loads((Path(out) / "params.json").read_text()), markers)
     return Path(out)

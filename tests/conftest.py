@@ -208,3 +208,13 @@ def lfs_server(tmp_path_factory: pytest.TempPathFactory):
     )
     giftless.terminate()
     daemon.terminate()
+
+
+@pytest.fixture(scope="session")
+def clean_store(corpus: Path, tmp_path_factory, mpiexec) -> Path:
+    """The corpus packed once by 2 ranks into 32x32 clips, 3 per video: shared by every test that only reads it."""
+    out = tmp_path_factory.mktemp("clean") / "store"
+    argv = pack_argv(mpiexec, 2, corpus, out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

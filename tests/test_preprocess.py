@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,15 +42,6 @@ def clips_in_index_order(store: Path) -> tuple[np.ndarray, np.ndarray, list[str]
     s = ClipStore.open(store)
     clips = np.stack([s.read_clip(int(p)) for p in s.order])
     return clips, s.labels[s.order], [s.videos["path"][v] for v in s.video_ids[s.order]]
-
-
-@pytest.fixture(scope="module")
-def clean_store(corpus: Path, tmp_path_factory, mpiexec) -> Path:
-    out = tmp_path_factory.mktemp("clean") / "store"
-    argv = pack_argv(mpiexec, 2, corpus, out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
 
 
 # -- the scan ---------------------------------------------------------------------------
@@ -216,18 +208,26 @@ def test_a_rerun_with_other_parameters_refuses_unless_overwrite(corpus: Path, tm
     assert ClipStore.open(out).read_clip(0).shape == (4, 32, 32, 3)
 
 
-def test_a_deleted_or_truncated_shard_makes_opening_the_store_fail_naming_it(clean_store: Path, tmp_path: Path) -> None:
+def test_a_deleted_or_truncated_shard_fails_its_first_read_and_verify_naming_it(
+    clean_store: Path, tmp_path: Path
+) -> None:
     import shutil
 
     copy = tmp_path / "store"
     shutil.copytree(clean_store, copy)
-    shard = sorted((copy / "shards").glob("*.h5"))[0]
+    store = ClipStore.open(copy)  # opening reads index.h5 alone
+    shard = copy / "shards" / store.shard_names[int(np.searchsorted(store.shard_offsets, 0, side="right") - 1)]
     shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(StoreError, match=rf"{shard.name} is 1000 bytes but the index says"):
-        ClipStore.open(copy)
+        store.read_clip(0)
+    cli = [sys.executable, "-m", "clipforge.jobs.cli", "store", "verify", str(copy)]
+    verify = subprocess.run(cli, capture_output=True, text=True)
+    assert verify.returncode == 2 and "is 1000 bytes but the index says" in verify.stderr, verify.stderr
     shard.unlink()
     with pytest.raises(StoreError, match=rf"{shard} is missing from the store"):
-        ClipStore.open(copy)
+        ClipStore.open(copy).read_clip(0)
+    ok = subprocess.run([*cli[:-1], str(clean_store)], capture_output=True, text=True, check=True)
+    assert "every one present with its recorded size" in ok.stdout
 
 
 def test_the_reader_in_a_two_worker_dataloader_returns_the_direct_reads(clean_store: Path) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from clipforge.hpc.distenv import free_port
 from clipforge.hpc.errors import UserError
+from clipforge.hpc.lock import LOCK_NAME
 from clipforge.models.builders import architecture, count_flops, create_model, load_weights
 from clipforge.models.evaluation import evaluate_model
 from clipforge.models.settings import TrainSettings
@@ -177,6 +178,26 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
     refused = train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", ranks=1, steps=14, check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "written by 2 data-parallel ranks and this job has 1: run it on 2" in refused.stderr
+
+
+def test_a_second_training_job_on_a_run_directory_is_refused_in_one_line(
+    mpiexec, tiny_store: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    first = train(mpiexec, tiny_store, run, ranks=1, steps=100_000, wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / LOCK_NAME).exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.05)
+        second = train(mpiexec, tiny_store, run, ranks=1, check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    errors = [line for line in second.stderr.splitlines() if "clipforge: error" in line]
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert len(errors) == 1 and "this run directory is being written by process" in errors[0], errors
+    assert not losses(run) or max(losses(run)) < 100_000  # the refused job wrote no step
 
 
 def test_a_run_resumed_on_fewer_ranks_reshards_zero_and_keeps_the_global_batch(

@@ -28,6 +28,7 @@ import tyro
 
 BENCHMARKS = [
     ("Preprocess: packing and reading clips", "clipforge.jobs.bench.preprocess", []),
+    ("Store: 10 to 10,000 shards, and its codecs", "clipforge.jobs.bench.store", []),
     ("Training: DDP against DeepSpeed ZeRO 0-3", "clipforge.jobs.bench.train", []),
     ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
     ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),

@@ -1,0 +1,128 @@
+"""The clip store at the shapes users reach: many shards, low descriptor limits, one writer at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clipforge.hpc.lock import LOCK_NAME
+from clipforge.preprocess import synthetic
+from clipforge.preprocess.store import ClipStore, StoreError
+
+from .argv import pack_argv
+
+SHARDS = 600  # over twice the descriptor limit below
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synthetic.write_sharded_store(tmp_path_factory.mktemp("many") / "store", SHARDS)
+
+
+def test_opening_reads_the_index_alone(many_shards: Path, tmp_path: Path) -> None:
+    # With every shard moved away the store still opens, whole: nothing but index.h5 was read.
+    away = tmp_path / "shards-away"
+    (many_shards / "shards").rename(away)
+    try:
+        store = ClipStore.open(many_shards)
+        assert len(store) == SHARDS and len(store.shard_names) == SHARDS
+        assert store.labels.tolist() == [n % len(synthetic.CLASSES) for n in range(SHARDS)]
+        with pytest.raises(StoreError, match="shard-00007.h5 is missing"):
+            store.read_clip(7)  # a shard is looked at when first read
+        with pytest.raises(StoreError, match="is missing"):
+            store.verify()
+    finally:
+        away.rename(many_shards / "shards")
+
+
+READ_EVERY_CLIP = """
+import os, resource, sys
+import numpy as np
+from clipforge.preprocess.reader import ClipDataset
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+data = ClipDataset(sys.argv[1], "train")
+peak = 0
+for n, i in enumerate(np.random.default_rng(0).permutation(len(data))):
+    clip, label = data[int(i)]
+    assert clip.shape[0] == 2
+    if n % 50 == 0:
+        peak = max(peak, len(os.listdir("/proc/self/fd")))
+print(len(data), peak)
+"""
+
+
+def test_a_random_pass_under_ulimit_256_reads_every_clip_of_600_shards(many_shards: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", READ_EVERY_CLIP, str(many_shards)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    read, peak = map(int, result.stdout.split())
+    assert read == SHARDS and peak < 256, (read, peak)
+
+
+def test_shards_have_no_holes(clean_store: Path) -> None:
+    shards = list((clean_store / "shards").glob("*.h5"))
+    apparent = sum(p.stat().st_size for p in shards)
+    disk = sum(p.stat().st_blocks * 512 for p in shards)
+    assert abs(disk - apparent) <= 0.05 * apparent + 4096 * len(shards), (disk, apparent)
+    store = ClipStore.open(clean_store)
+    assert int(store.shard_disk.sum()) == disk
+
+
+@pytest.mark.mpi
+def test_a_second_packing_job_on_a_store_is_refused_in_one_line(corpus: Path, tmp_path: Path, mpiexec) -> None:
+    out = tmp_path / "store"
+    argv = pack_argv(mpiexec, 1, corpus, out, clip_frames=8, height=32, width=32, clips_per_video=3)
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / LOCK_NAME).exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first job never took the lock"
+            time.sleep(0.01)
+        holder = json.loads((out / LOCK_NAME).read_text())["pid"]
+        os.kill(holder, signal.SIGSTOP)  # the first job holds the store for as long as the second takes
+        try:
+            second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        finally:
+            os.kill(holder, signal.SIGCONT)
+        assert second.returncode == 2, second.stderr[-2000:]
+        line = [x for x in second.stderr.splitlines() if "clipforge: error" in x]
+        assert len(line) == 1 and "being written by process" in line[0] and "Traceback" not in second.stderr, (
+            second.stderr[-2000:]
+        )
+    finally:
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    assert not (out / LOCK_NAME).exists()  # released at the end
+    assert ClipStore.open(out).labels.size > 0
+
+
+def test_a_lock_left_by_a_killed_writer_does_not_block_the_next(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from clipforge.hpc.lock import WriterLock; "
+            "WriterLock(sys.argv[1], 'clip store').acquire(); print('held', flush=True); time.sleep(600)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    from clipforge.hpc.lock import WriterBusy, WriterLock
+
+    with pytest.raises(WriterBusy, match=f"being written by process {holder.pid}"):
+        WriterLock(tmp_path, "clip store").acquire()
+    holder.kill()
+    holder.wait()
+    with WriterLock(tmp_path, "clip store"):  # its process is gone: the lock is taken over
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_NAME).exists()
