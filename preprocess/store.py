@@ -21,7 +21,6 @@ import dataclasses
 import io
 import json
 import os
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -168,26 +167,15 @@ def encode_jpeg(clips: np.ndarray, quality: int) -> np.ndarray:
 
 
 def decode_jpeg(frames: Iterable[np.ndarray]) -> np.ndarray:
-    """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8, with libjpeg-turbo through torchvision.
+    """JPEG bytes of each frame to ``[T, H, W, 3]`` uint8, with libjpeg-turbo through simplejpeg.
 
-    One frame at a time into one array: torchvision's batched call returns separate CHW tensors,
-    and stacking and transposing them cost more than the batching saved on CPU.
+    simplejpeg decodes straight into an HWC array: 1.9x Pillow per core on 224x224 camera frames, where
+    torchvision's ``decode_jpeg`` gave 1.4x (its CHW tensors need a transpose and a copy) and warns at
+    every call that its image codecs are deprecated (torchvision 0.29).
     """
-    import torch
-    from torchvision.io import ImageReadMode
-    from torchvision.io import decode_jpeg as turbo
+    import simplejpeg
 
-    # torchvision 0.29 warns on every call that its image codecs will move to TorchCodec; the pinned
-    # version keeps them, and one warning per frame would flood every worker's log.
-    warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning)
-
-    out = None
-    for t, frame in enumerate(frames):
-        rgb = turbo(torch.frombuffer(memoryview(np.asarray(frame)), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        if out is None:
-            out = np.empty((len(frames), rgb.shape[1], rgb.shape[2], 3), np.uint8)
-        out[t] = rgb.permute(1, 2, 0).numpy()
-    return out
+    return np.stack([simplejpeg.decode_jpeg(np.asarray(f), colorspace="RGB") for f in frames])
 
 
 def committed_markers(store: Path) -> list[dict[str, Any]]:
