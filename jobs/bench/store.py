@@ -187,8 +187,9 @@ def main(cfg: Config) -> None:
                 scale[n]["fds"].append(peak)
 
         videos = footage(work)
-        clips = np.concatenate([decode_clips(v, CLIP).clips for v in videos])
-        starts = [(v, s) for v in videos for s in decode_clips(v, CLIP).starts]
+        decoded = {v: decode_clips(v, CLIP) for v in videos}
+        clips = np.concatenate([d.clips for d in decoded.values()])
+        starts = [(v, s) for v, d in decoded.items() for s in d.starts]
         stores = {c: write_clip_store(work / f"codec-{c}", clips, c) for c in ("raw", "jpeg")}
         raw_bytes = int(stores["raw"].shard_disk.sum()) / len(clips)
         jpeg_bytes = int(stores["jpeg"].shard_disk.sum()) / len(clips)
