@@ -62,6 +62,15 @@ class DataSettings:
     """Random horizontal flips (wrong for left/right classes)."""
     class_balance: Literal["none", "sampler", "loss"] = "none"
     """Class imbalance: sample classes evenly, or weight the loss by inverse class frequency."""
+    decode: Literal["host", "device"] = "host"
+    """jpeg stores: decode in the DataLoader workers (libjpeg-turbo), or move the JPEG bytes and decode each
+    batch on the training device (nvJPEG on CUDA), which needs far fewer CPU cores per GPU."""
+    shuffle: Literal["global", "shards"] = "global"
+    """global: a permutation of all clips each epoch; shards: shards in random order, clips shuffled within
+    windows of shuffle_window neighbouring clips (far fewer shard opens and seeks: for stores of more shards
+    than a reader keeps open, 64). Either way the clips of a step are a function of (seed, step)."""
+    shuffle_window: int = 1024
+    """Clips per shuffle window with shuffle=shards (the mixing of a shuffle buffer of that size)."""
 
 
 @dataclasses.dataclass
@@ -154,6 +163,13 @@ def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Archit
             f"split {s.data.train_split!r} has {len(train_set)} clips, fewer than one global batch of "
             f"{s.batch_per_rank * dp}"
         )
+    if s.data.decode == "device" and store.codec != "jpeg":
+        raise TrainError(
+            f"data.decode=device needs a jpeg store and {s.data.store} holds {store.codec} clips; "
+            "drop --data.decode or pack the store with --codec jpeg"
+        )
+    if s.data.shuffle_window < 1:
+        raise TrainError(f"data.shuffle_window is {s.data.shuffle_window}; give a number of clips, at least 1")
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
     return store, arch

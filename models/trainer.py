@@ -35,8 +35,8 @@ from clipforge.hpc.distenv import DistEnv, collective_device, setup_distributed,
 from clipforge.hpc.lock import WriterBusy, WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.requeue import Preemption
-from clipforge.preprocess.reader import ClipDataset
-from clipforge.preprocess.store import ClipStore
+from clipforge.preprocess.reader import ClipDataset, collate_encoded
+from clipforge.preprocess.store import ClipStore, decode_jpeg_batch
 from clipforge.rundir import CheckpointIndex, RunDir, RunRecord
 
 from .builders import Architecture
@@ -79,7 +79,7 @@ class Trainer:
         self._reshard_from: str | None = None
         self.dist = setup_distributed()
         self.store, self.arch = check_settings(settings, self.dist.world_size)
-        self.train_set = ClipDataset(self.store, settings.data.train_split)
+        self.train_set = ClipDataset(self.store, settings.data.train_split, encoded=settings.data.decode == "device")
         self.eval_set = ClipDataset(self.store, settings.data.eval_split)
         self.run = RunDir(settings.run_dir)
         self.layout = LAYOUTS[settings.parallel.layout]()
@@ -127,8 +127,18 @@ class Trainer:
             self.engine.compile()
         self.dp_rank = self.layout.data_parallel_rank(self)
         balanced = s.data.class_balance == "sampler"
+        local = s.data.shuffle == "shards"
         self.sampler = StepSampler(
-            self.train_set.labels, s.batch_per_rank, s.grad_accum, self.dp_rank, self.dp_size, s.seed, balanced
+            self.train_set.labels,
+            s.batch_per_rank,
+            s.grad_accum,
+            self.dp_rank,
+            self.dp_size,
+            s.seed,
+            balanced,
+            shards=self.train_set.shards if local else None,
+            positions=self.train_set.positions if local else None,
+            window=s.data.shuffle_window if local else 0,
         )
         layout = {
             "world_size": self.dist.world_size,
@@ -231,10 +241,13 @@ class Trainer:
             num_workers=s.data.workers,
             persistent_workers=False,
             prefetch_factor=4 if s.data.workers else None,
-            pin_memory=cuda,
+            pin_memory=cuda and not self.train_set.encoded,
+            collate_fn=collate_encoded if self.train_set.encoded else None,
         )
         for n, (clips, labels) in enumerate(self.throughput.timed(loader)):
             step, micro = first_step + n // s.grad_accum, n % s.grad_accum
+            if self.train_set.encoded:
+                clips = decode_jpeg_batch(clips, self.device)
             clips, labels = clips.to(self.device, non_blocking=cuda), labels.to(self.device, non_blocking=cuda)
             # Seeded by data-parallel rank: the stages of one pipeline must crop their shared batch alike.
             g = torch.Generator().manual_seed(hash((s.seed, step, micro, self.dp_rank)) % (2**63))

@@ -31,7 +31,7 @@ from .store import ClipStore, StoreError
 class ClipDataset(Dataset):
     """The clips of one split of a clip store, in index order (by video, then clip)."""
 
-    def __init__(self, store: Path | ClipStore, split: str = "train", transform=None) -> None:
+    def __init__(self, store: Path | ClipStore, split: str = "train", transform=None, encoded: bool = False) -> None:
         self.store = store if isinstance(store, ClipStore) else ClipStore.open(Path(store))
         if split not in self.store.splits:
             raise StoreError(
@@ -40,12 +40,21 @@ class ClipDataset(Dataset):
         self.split = split
         self.positions = self.store.splits[split]
         self.transform = transform
+        self.encoded = encoded
+        """Return a jpeg store's frames undecoded (a list of JPEG byte arrays), for decoding on the device."""
+        if encoded and self.store.codec != "jpeg":
+            raise StoreError(
+                f"{self.store.root} holds {self.store.codec} clips, so there is nothing to decode on the device; "
+                "decode on the host (the default), or pack the store with --codec jpeg"
+            )
 
     def __len__(self) -> int:
         return len(self.positions)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         position = int(self.positions[i])
+        if self.encoded:
+            return self.store.read_encoded(position), int(self.store.labels[position])
         clip = torch.from_numpy(np.ascontiguousarray(self.store.read_clip(position)))
         if self.transform is not None:
             clip = self.transform(clip)
@@ -57,6 +66,11 @@ class ClipDataset(Dataset):
         return self.store.labels[self.positions]
 
     @property
+    def shards(self) -> np.ndarray:
+        """The shard each clip is in, in dataset order (for locality-aware sampling)."""
+        return self.store.shard_of(self.positions)
+
+    @property
     def video_ids(self) -> np.ndarray:
         """Video of each clip, in dataset order (for video-level accuracy)."""
         return self.store.video_ids[self.positions]
@@ -64,6 +78,11 @@ class ClipDataset(Dataset):
     @property
     def classes(self) -> list[str]:
         return self.store.classes
+
+
+def collate_encoded(items: list[tuple[list[np.ndarray], int]]) -> tuple[list[list[np.ndarray]], torch.Tensor]:
+    """A batch of encoded clips: the frames as they are (each frame's bytes differ in length), labels stacked."""
+    return [clip for clip, _ in items], torch.tensor([label for _, label in items])
 
 
 def evenly(available: int, wanted: int) -> np.ndarray:

@@ -203,9 +203,12 @@ def write_store(
     return Path(out)
 
 
-def write_sharded_store(out: Path, shards: int, clip_frames: int = 2, size: int = 8, codec: str = "raw") -> Path:
-    """A store of ``shards`` one-video shards of tiny clips, written directly: the shape of a corpus packed by
-    thousands of ranks, for scale checks of opening and reading (file opens, descriptors), not of pixels."""
+def write_sharded_store(
+    out: Path, shards: int, clip_frames: int = 2, size: int = 8, codec: str = "raw", videos_per_shard: int = 1
+) -> Path:
+    """A store of ``shards`` shards of ``videos_per_shard`` one-clip videos of tiny clips, written directly: the
+    shape of a corpus packed by thousands of ranks, for scale checks of opening and reading (file opens,
+    descriptors, locality), not of pixels."""
     from .decode import ClipParams, VideoClips
     from .store import ShardWriter, write_index, write_params, write_videos
 
@@ -214,13 +217,16 @@ def write_sharded_store(out: Path, shards: int, clip_frames: int = 2, size: int 
     rng = np.random.default_rng(0)
     videos, markers = [], []
     for n in range(shards):
-        label = n % len(CLASSES)
-        clips = rng.integers(0, 256, (1, clip_frames, size, size, 3), dtype=np.uint8)
-        info = VideoClips(25.0, clip_frames / 25, clip_frames, clips, [0.0], promised_frames=clip_frames).record()
         writer = ShardWriter(out, n, (clip_frames, size, size), codec)
-        writer.add_video(n, label, clips, [0.0], info)
+        for v in range(n * videos_per_shard, (n + 1) * videos_per_shard):
+            label = v % len(CLASSES)
+            clips = rng.integers(0, 256, (1, clip_frames, size, size, 3), dtype=np.uint8)
+            info = VideoClips(25.0, clip_frames / 25, clip_frames, clips, [0.0], promised_frames=clip_frames).record()
+            writer.add_video(v, label, clips, [0.0], info)
+            videos.append(
+                {"path": f"{CLASSES[label]}/{v:06d}", "label": label, "split": "train", "num_clips": 1, **info}
+            )
         markers.append(writer.commit())
-        videos.append({"path": f"{CLASSES[label]}/{n:06d}", "label": label, "split": "train", "num_clips": 1, **info})
     write_videos(out, {"root": None, "classes": CLASSES, "videos": videos})
     write_index(out, videos, CLASSES, json.loads((Path(out) / "params.json").read_text()), markers)
     return Path(out)

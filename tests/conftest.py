@@ -139,6 +139,7 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
         height=32,
         width=32,
         clips_per_video=4,
+        max_shard_clips=16,  # several shards, for locality-aware sampling
         split__train=0.6,
         split__val=0.4,
         split__test=0.0,

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from clipforge.hpc.lock import LOCK_NAME
+from clipforge.models.sampler import StepSampler
 from clipforge.preprocess import synthetic
+from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
 from .argv import pack_argv
@@ -126,3 +128,47 @@ def test_a_lock_left_by_a_killed_writer_does_not_block_the_next(tmp_path: Path) 
     with WriterLock(tmp_path, "clip store"):  # its process is gone: the lock is taken over
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.fixture(scope="module")
+def runs_of_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """100 shards of 20 one-clip videos: the shape of a store written by ranks of many videos each."""
+    return synthetic.write_sharded_store(tmp_path_factory.mktemp("runs") / "store", 100, videos_per_shard=20)
+
+
+def samplers(data: ClipDataset, **extra) -> tuple[StepSampler, StepSampler]:
+    """A global shuffle and a locality-aware one over ``data``, 2 data-parallel ranks of 8 clips."""
+    plain = StepSampler(data.labels, 8, 1, 0, 2, seed=3, balanced=False)
+    local = StepSampler(
+        data.labels, 8, 1, 0, 2, seed=3, balanced=False, shards=data.shards, positions=data.positions, window=40
+    )
+    return plain, local
+
+
+def test_locality_aware_sampling_sees_every_clip_once_an_epoch_and_depends_on_seed_and_step_alone(
+    runs_of_shards: Path,
+) -> None:
+    data = ClipDataset(runs_of_shards, "train")
+    _, local = samplers(data)
+    for epoch in (0, 1):
+        assert sorted(local._epoch(epoch).tolist()) == list(range(len(data)))
+    assert local._epoch(0).tolist() != local._epoch(1).tolist()
+    # Resuming at step 37 computes the same clips as a run that got there from step 0.
+    through = list(local.batches(0, 60))[37:]
+    _, fresh = samplers(data)
+    assert list(fresh.batches(37, 60)) == through
+    # A window of 40 neighbouring clips spans at most 3 shards of 20; a batch, at most two windows.
+    assert max(len(set(data.shards[batch].tolist())) for batch in through) <= 5
+
+
+def test_locality_aware_sampling_opens_each_shard_about_once_where_a_global_shuffle_reopens_them(
+    runs_of_shards: Path,
+) -> None:
+    opens = {}
+    for name, sampler in zip(("global", "shards"), samplers(ClipDataset(runs_of_shards, "train"))):
+        data = ClipDataset(ClipStore.open(runs_of_shards, max_open_shards=8), "train")
+        for batch in sampler.batches(0, 125):  # 125 steps x 2 ranks x 8 clips: one epoch of 2,000
+            for i in batch:
+                data[i]
+        opens[name] = data.store.opened
+    assert opens["shards"] <= 3 * 100 // 2 and opens["global"] > 5 * opens["shards"], opens
