@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import json
 import os
+import stat
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,6 +62,8 @@ class Corpus:
     classes: list[str]
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(path, reason) for every file the scan saw and did not take."""
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes of each video, by path (the packing plan does the longest first)."""
 
     def label_index(self, video: Video) -> int:
         return self.classes.index(video.label)
@@ -87,8 +90,39 @@ class SplitRatios:
             raise CorpusError(f"split ratios {self.train}/{self.val}/{self.test} must be non-negative and sum to 1")
 
 
+@dataclasses.dataclass
+class Listing:
+    """What a corpus lists, before any file is looked at: entries (path, label, split or None) and skips."""
+
+    source: Path
+    root: Path
+    entries: list[tuple[str, str, str | None]]
+    skipped: list[tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PathCheck:
+    """What one stat-like look at a listed path found: its key under the root, a problem, its size."""
+
+    key: str | None
+    """The path relative to the real root, or None when it resolves outside the root."""
+    problem: str | None
+    size: int = 0
+
+
 def scan(source: Path, ratios: SplitRatios = SplitRatios()) -> Corpus:
-    """Scan a class-per-folder tree (``root/<class>/<video>``) or a CSV/JSONL manifest."""
+    """Scan a class-per-folder tree (``root/<class>/<video>``) or a CSV/JSONL manifest, in this process.
+
+    The packing job does the same in three steps so that its ranks share the looking:
+    :func:`list_corpus` on one rank, :func:`check_paths` on every rank for its share of
+    the paths, :func:`assemble` on the first again.
+    """
+    listing = list_corpus(source)
+    return assemble(listing, check_paths(listing.root, [rel for rel, _, _ in listing.entries]), ratios)
+
+
+def list_corpus(source: Path) -> Listing:
+    """Walk the tree (directory reads only, no stat per file) or parse the manifest."""
     source = Path(source)
     if not source.exists():
         raise CorpusError(f"{source} does not exist; give a corpus folder or a .csv/.jsonl manifest")
@@ -98,12 +132,62 @@ def scan(source: Path, ratios: SplitRatios = SplitRatios()) -> Corpus:
         root, entries, skipped = source.parent, *_read_manifest(source)
     else:
         raise CorpusError(f"{source}: a corpus is a folder of class folders or a .csv/.jsonl manifest")
-    entries = _checked(root, entries, skipped)
-    if not entries:
-        raise CorpusError(f"{source}: no videos found (extensions taken: {', '.join(sorted(VIDEO_EXTENSIONS))})")
-    classes = sorted({label for _, label, _ in entries})
-    videos = _assign_splits(entries, ratios)
-    return Corpus(root=root.resolve(), videos=videos, classes=classes, skipped=skipped)
+    for rel, label, _ in entries:
+        if not label or "/" in label or "\\" in label or label in (".", ".."):
+            raise CorpusError(f"{rel}: label {label!r} must be a plain name without path separators")
+    return Listing(source, root, entries, skipped)
+
+
+def check_paths(root: Path, rels: list[str]) -> list[PathCheck]:
+    """Resolve, stat and check each listed path (the metadata work a million-file corpus is made of)."""
+    real_root = Path(root).resolve()
+    checks = []
+    for rel in rels:
+        target = (Path(root) / rel).resolve()
+        # A manifest path must stay inside the corpus root: no '..', no absolute paths elsewhere, no symlinks out.
+        if not target.is_relative_to(real_root):
+            checks.append(PathCheck(None, f"resolves to {target}, outside the corpus root {real_root}; move it inside"))
+            continue
+        key = target.relative_to(real_root).as_posix()
+        if Path(rel).suffix.lower() not in VIDEO_EXTENSIONS:
+            checks.append(PathCheck(key, f"extension {Path(rel).suffix or '(none)'} is not a video extension"))
+            continue
+        try:
+            st = target.stat()
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            checks.append(PathCheck(key, "does not exist or is not a file"))
+        elif not os.access(target, os.R_OK):
+            checks.append(PathCheck(key, "is not readable"))
+        else:
+            checks.append(PathCheck(key, None, st.st_size))
+    return checks
+
+
+def assemble(listing: Listing, checks: list[PathCheck], ratios: SplitRatios = SplitRatios()) -> Corpus:
+    """The corpus from its listing and the checks of its paths (in listing order)."""
+    seen: dict[str, str] = {}
+    kept, skipped, sizes = [], list(listing.skipped), {}
+    for (rel, label, split), check in zip(listing.entries, checks, strict=True):
+        if check.key is None:
+            raise CorpusError(f"{rel}: {check.problem}")
+        if check.key in seen:
+            raise CorpusError(f"{rel}: listed twice (labels {seen[check.key]!r} and {label!r}); keep one entry")
+        seen[check.key] = label
+        if check.problem:
+            skipped.append((check.key, check.problem))
+        else:
+            kept.append((check.key, label, split))
+            sizes[check.key] = check.size
+    kept.sort(key=lambda e: (e[1], e[0]))
+    if not kept:
+        raise CorpusError(
+            f"{listing.source}: no videos found (extensions taken: {', '.join(sorted(VIDEO_EXTENSIONS))})"
+        )
+    classes = sorted({label for _, label, _ in kept})
+    videos = _assign_splits(kept, ratios)
+    return Corpus(root=listing.root.resolve(), videos=videos, classes=classes, skipped=skipped, sizes=sizes)
 
 
 def _scan_tree(root: Path) -> tuple[list[tuple[str, str, str | None]], list[tuple[str, str]]]:
@@ -152,35 +236,6 @@ def _read_manifest(path: Path) -> tuple[list[tuple[str, str, str | None]], list[
             raise CorpusError(f"{path}: entry {n} ({row['path']}): split {split!r} is not one of {', '.join(SPLITS)}")
         entries.append((str(row["path"]), str(row["label"]), split))
     return entries, []
-
-
-def _checked(
-    root: Path, entries: list[tuple[str, str, str | None]], skipped: list[tuple[str, str]]
-) -> list[tuple[str, str, str | None]]:
-    """Refuse ambiguous entries; move unreadable or non-video files to ``skipped``."""
-    real_root = root.resolve()
-    seen: dict[str, str] = {}
-    kept = []
-    for rel, label, split in entries:
-        if not label or "/" in label or "\\" in label or label in (".", ".."):
-            raise CorpusError(f"{rel}: label {label!r} must be a plain name without path separators")
-        target = (root / rel).resolve()
-        # A manifest path must stay inside the corpus root: no '..', no absolute paths elsewhere, no symlinks out.
-        if not target.is_relative_to(real_root):
-            raise CorpusError(f"{rel}: resolves to {target}, outside the corpus root {real_root}; move it inside")
-        key = target.relative_to(real_root).as_posix()
-        if key in seen:
-            raise CorpusError(f"{rel}: listed twice (labels {seen[key]!r} and {label!r}); keep one entry")
-        seen[key] = label
-        if Path(rel).suffix.lower() not in VIDEO_EXTENSIONS:
-            skipped.append((key, f"extension {Path(rel).suffix or '(none)'} is not a video extension"))
-        elif not target.is_file():
-            skipped.append((key, "does not exist or is not a file"))
-        elif not os.access(target, os.R_OK):
-            skipped.append((key, "is not readable"))
-        else:
-            kept.append((key, label, split))
-    return sorted(kept, key=lambda e: (e[1], e[0]))
 
 
 def _assign_splits(entries: list[tuple[str, str, str | None]], ratios: SplitRatios) -> list[Video]:

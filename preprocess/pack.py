@@ -5,7 +5,10 @@ on Lustre, and h5py from PyPI has no parallel HDF5). Work is handed out
 dynamically, longest video first, through a counter in an MPI window that
 every rank increments atomically (``MPI_Fetch_and_op``): no rank idles while
 another grinds through a long video, and no rank is a dispatcher only. Rank 0
-plans, then works like the others, then writes the index.
+lists the corpus, every rank checks (resolves, stats) its share of the paths,
+rank 0 plans; the work list stays in rank 0's memory and each rank fetches the
+items it takes, so no rank but 0 holds the video table. Rank 0 then works like
+the others, then writes the index.
 
 A rerun of the same command on the same directory does only what is missing:
 committed shards are kept, the videos of half-written ones are redone.
@@ -27,7 +30,7 @@ from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
 
-from .corpus import Corpus, SplitRatios, scan
+from .corpus import Corpus, Listing, SplitRatios, assemble, check_paths, list_corpus
 from .decode import ClipParams, VideoError, decode_clips
 from .store import (
     Codec,
@@ -133,28 +136,62 @@ def pack_corpus(
     started = time.time()
     lock = WriterLock(out, "clip store") if comm.rank == 0 else None  # one packing job per store
     try:
-        plan = _plan(source, out, params, options, ratios, lock) if lock else None
-        plan = comm.bcast(plan, root=0)
-        if isinstance(plan, Exception):
-            raise plan  # every rank stops with rank 0's one-line reason
-        counters = _Counters(comm, plan["next_shard"])
+        corpus = _scan_together(source, ratios, params, comm)
+        plan = _plan(corpus, out, params, options, lock) if lock else None
+        header = comm.bcast(plan if plan is None or isinstance(plan, Exception) else _header(plan), root=0)
+        if isinstance(header, Exception):
+            raise header  # every rank stops with rank 0's one-line reason
+        work = _WorkList(comm, _items(plan) if lock else None)
+        counters = _Counters(comm, header["next_shard"])
         try:
-            _work(plan, out, params, options, comm, counters)
+            _work(work, Path(header["root"]), out, params, options, comm, counters)
         finally:
             counters.free()
+            work.free()
         return _finish(plan, out, time.time() - started) if lock else None
     finally:
         if lock:
             lock.release()
 
 
-def _plan(
-    source: Path, out: Path, params: ClipParams, options: PackOptions, ratios: SplitRatios, lock: WriterLock
-) -> dict[str, Any] | Exception:
-    """Rank 0: scan, take the store's writer lock, check the directory, list what is left to do (longest first)."""
+def _scan_together(source: Path, ratios: SplitRatios, params: ClipParams, comm) -> Corpus | None:
+    """Rank 0 lists the corpus; every rank resolves and stats its share of the paths; rank 0 assembles it.
+
+    A million-file corpus on Lustre is millions of metadata calls (resolve, stat, access): shared by the
+    ranks they take 1/N of the time, and no rank but 0 ever holds more than its share of the listing.
+    """
+    listing: Listing | Exception | None = None
+    if comm.rank == 0:
+        try:
+            params.check()
+            listing = list_corpus(source)
+        except UserError as exc:
+            listing = PackError(str(exc))
+    failed = comm.bcast(listing if isinstance(listing, Exception) else None, root=0)
+    if failed is not None:
+        raise failed
+    if comm.rank == 0:
+        assert isinstance(listing, Listing)
+        rels = [rel for rel, _, _ in listing.entries]
+        share = -(-len(rels) // comm.size)
+        chunks = [(listing.root, rels[r * share : (r + 1) * share]) for r in range(comm.size)]
+    mine = comm.scatter(chunks if comm.rank == 0 else None, root=0)
+    checks = comm.gather(check_paths(*mine), root=0)
+    if comm.rank != 0:
+        return None
     try:
-        params.check()
-        corpus = scan(source, ratios)
+        return assemble(listing, [c for part in checks for c in part], ratios)
+    except UserError as exc:
+        return PackError(str(exc))
+
+
+def _plan(
+    corpus: Corpus | PackError, out: Path, params: ClipParams, options: PackOptions, lock: WriterLock
+) -> dict[str, Any] | Exception:
+    """Rank 0: take the store's writer lock, check the directory, list what is left to do (longest first)."""
+    try:
+        if isinstance(corpus, PackError):
+            raise corpus
         out = Path(out)
         stripe_directory(out, count=1)  # file-per-process shards: one OST each, set before the first byte
         stripe_directory(out / "shards", count=1)
@@ -178,9 +215,8 @@ def _plan(
         write_videos(out, table)
         markers = committed_markers(out)
         done = {int(k) for m in markers for k in (*m["videos"], *m["failed"])}
-        root = Path(table["root"])
         todo = [i for i in range(len(table["videos"])) if i not in done]
-        size = {i: _size(root / table["videos"][i]["path"]) for i in todo}
+        size = {i: corpus.sizes.get(table["videos"][i]["path"], 0) for i in todo}  # stat'ed by the scan
         todo.sort(key=lambda i: (-size[i], i))  # longest (by bytes) first
         log.info(
             "%d videos in %d classes; %d already packed in %d shards, %d to do",
@@ -203,19 +239,30 @@ def _plan(
         return PackError(str(exc))
 
 
-def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOptions, comm, counters: _Counters) -> None:
-    table, todo = plan["table"], plan["todo"]
-    root, classes = Path(table["root"]), table["classes"]
+def _header(plan: dict[str, Any]) -> dict[str, Any]:
+    """What every rank needs of the plan: a few numbers, not the video table."""
+    return {"root": plan["table"]["root"], "next_shard": plan["next_shard"]}
+
+
+def _items(plan: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """The work, in order: (video id, label index, path) of every video left to do."""
+    table = plan["table"]
+    label_of = {c: i for i, c in enumerate(table["classes"])}
+    return [(i, label_of[table["videos"][i]["label"]], table["videos"][i]["path"]) for i in plan["todo"]]
+
+
+def _work(
+    work: _WorkList, root: Path, out: Path, params: ClipParams, options: PackOptions, comm, counters: _Counters
+) -> None:
     writer: ShardWriter | None = None
-    bar = Progress(len(todo), "packing", unit="video", enabled=comm.rank == 0)
+    bar = Progress(len(work), "packing", unit="video", enabled=comm.rank == 0)
     shown = 0
     try:
         while True:
             i = counters.fetch_add(NEXT_VIDEO)
-            if i >= len(todo):
+            if i >= len(work):
                 break
-            video_id = todo[i]
-            video = table["videos"][video_id]
+            video_id, label, path = work.get(i)
             if writer is None:
                 writer = ShardWriter(
                     out,
@@ -225,7 +272,7 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
                     options.jpeg_quality,
                 )
             try:
-                result = decode_clips(root / video["path"], params)
+                result = decode_clips(root / path, params)
             except VideoError as exc:
                 writer.add_failure(video_id, str(exc))
                 counters.fetch_add(FAILED)
@@ -233,7 +280,7 @@ def _work(plan: dict[str, Any], out: Path, params: ClipParams, options: PackOpti
                 writer.add_failure(video_id, f"unexpected {type(exc).__name__}: {exc}")
                 counters.fetch_add(FAILED)
             else:
-                writer.add_video(video_id, classes.index(video["label"]), result.clips, result.starts, result.record())
+                writer.add_video(video_id, label, result.clips, result.starts, result.record())
                 counters.fetch_add(DONE_CLIPS, len(result.clips))
             counters.fetch_add(DONE_VIDEOS)
             if writer.num_clips >= options.max_shard_clips:
@@ -317,6 +364,54 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
     return summary
 
 
+class _WorkList:
+    """The videos left to pack, held in rank 0's memory; a rank reads an item when it takes it (``MPI_Get``).
+
+    No rank receives the list: a million listed videos are a few dozen MB on rank 0 and, on every other
+    rank, only the items it packs.
+    """
+
+    def __init__(self, comm, items: list[tuple[int, int, str]] | None) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        root = comm.rank == 0
+        paths = [p.encode() for _, _, p in items] if root else []
+        self.n = comm.bcast(len(paths) if root else None, root=0)
+        nbytes = sum(map(len, paths))
+        self.records = MPI.Win.Allocate(self.n * 4 * 8 if root else 0, 8, comm=comm)
+        self.paths = MPI.Win.Allocate(max(nbytes, 1) if root else 0, 1, comm=comm)
+        if root:
+            records = np.frombuffer(self.records.tomemory(), dtype=np.int64).reshape(self.n, 4)
+            lengths = np.array([len(p) for p in paths], np.int64)
+            records[:, 0] = [v for v, _, _ in items]
+            records[:, 1] = [label for _, label, _ in items]
+            records[:, 2] = np.cumsum(lengths) - lengths
+            records[:, 3] = lengths
+            np.frombuffer(self.paths.tomemory(), dtype=np.uint8)[:nbytes] = np.frombuffer(b"".join(paths), np.uint8)
+        comm.Barrier()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int) -> tuple[int, int, str]:
+        """(video id, label index, path) of item ``i``."""
+        MPI = self.MPI
+        record = np.empty(4, np.int64)
+        self.records.Lock(0, MPI.LOCK_SHARED)
+        self.records.Get(record, 0, target=(i * 4, 4, MPI.INT64_T))
+        self.records.Unlock(0)
+        path = np.empty(int(record[3]), np.uint8)
+        self.paths.Lock(0, MPI.LOCK_SHARED)
+        self.paths.Get(path, 0, target=(int(record[2]), len(path), MPI.BYTE))
+        self.paths.Unlock(0)
+        return int(record[0]), int(record[1]), path.tobytes().decode()
+
+    def free(self) -> None:
+        self.records.Free()
+        self.paths.Free()
+
+
 class _Counters:
     """Shared counters in rank 0's memory, updated with one-sided atomics."""
 
@@ -356,10 +451,3 @@ def _merge_tables(old: dict[str, Any], corpus: Corpus) -> dict[str, Any]:
     new = [dataclasses.asdict(v) for v in corpus.videos if v.path not in known]
     classes = old["classes"] + sorted({v["label"] for v in new} - set(old["classes"]))
     return {"root": old["root"], "classes": classes, "videos": old["videos"] + new}
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

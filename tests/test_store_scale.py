@@ -172,3 +172,57 @@ def test_locality_aware_sampling_opens_each_shard_about_once_where_a_global_shuf
                 data[i]
         opens[name] = data.store.opened
     assert opens["shards"] <= 3 * 100 // 2 and opens["global"] > 5 * opens["shards"], opens
+
+
+SHARED_PLAN = """
+import json, sys
+from pathlib import Path
+from mpi4py import MPI
+from clipforge.preprocess import pack
+from clipforge.preprocess.corpus import SplitRatios
+from clipforge.preprocess.decode import ClipParams
+
+checked = []
+real_check = pack.check_paths
+pack.check_paths = lambda root, rels: checked.append(len(rels)) or real_check(root, rels)
+comm = MPI.COMM_WORLD
+corpus = pack._scan_together(Path(sys.argv[1]), SplitRatios(), ClipParams(), comm)
+items = pack._items({"table": {"classes": corpus.classes, "videos": [v.__dict__ for v in corpus.videos]},
+                     "todo": list(range(len(corpus.videos)))}) if comm.rank == 0 else None
+work = pack._WorkList(comm, items)
+taken = [work.get(i) for i in range(comm.rank, len(work), 997)]
+listed = [list(items[i]) for i in range(len(items))] if comm.rank == 0 else None  # rank 0's own list
+print(json.dumps({"rank": comm.rank, "checked": checked, "items": len(work), "taken": [list(t) for t in taken],
+                  "skipped": len(corpus.skipped) if comm.rank == 0 else None, "listed": listed}))
+work.free()
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_share_the_stat_of_a_large_listing_and_fetch_only_the_work_they_take(
+    tmp_path: Path, mpiexec, sample_videos
+) -> None:
+    """30,000 listed videos, 3 ranks: each checks a third of the paths; items come one by one from rank 0."""
+    root = tmp_path / "corpus"
+    (root / "real").mkdir(parents=True)
+    lines = []
+    for n in range(30_000):
+        path = f"real/{n:05d}.mp4" if n % 10 == 0 else f"gone/{n:05d}.mp4"
+        if n % 10 == 0:
+            os.link(sample_videos[n % 3], root / path)  # hard links: distinct files to the scan
+        lines.append(json.dumps({"path": path, "label": f"c{n % 7}"}))
+    (root / "list.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [*mpiexec, "-n", "3", sys.executable, "-c", SHARED_PLAN, str(root / "list.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = sorted((json.loads(line) for line in result.stdout.splitlines()), key=lambda r: r["rank"])
+    assert [r["checked"] for r in ranks] == [[10_000]] * 3
+    assert ranks[0]["skipped"] == 27_000 and all(r["items"] == 3_000 for r in ranks)
+    listed = ranks[0]["listed"]
+    assert sorted(path for _, _, path in listed) == [f"real/{n:05d}.mp4" for n in range(0, 30_000, 10)]
+    for r in ranks:  # what each rank fetched is rank 0's item at that index
+        assert r["taken"] == [listed[i] for i in range(r["rank"], 3_000, 997)]
