@@ -15,6 +15,8 @@ source videos), then runs, each as a fresh single-rank process through
 - stage 2 again, killed with SIGKILL after its middle checkpoint and started
   again: its losses after the resume must match the uninterrupted stage-2 run;
 - multi-view evaluation of the stage-0 model through ``clipforge.jobs.evaluate``;
+- jpeg decoding on the device (``--data.decode device``: nvJPEG on CUDA) against
+  one CPU core with libjpeg-turbo, on the same frames;
 - which scaled-dot-product-attention kernel the model's attention can use.
 
 Each check prints PASS or FAIL on its own line; the exit status is 1 if any failed.
@@ -33,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import tyro
 
@@ -128,6 +131,15 @@ def main(cfg: Config) -> int:
             evaluation["videos"] > 0,
         )
     )
+    decode = jpeg_decode(store, cfg.batch)
+    checks.append(
+        (
+            f"jpeg decode of {decode['frames']} frames of {decode['size']} on {decode['device']}: "
+            f"{decode['device_fps']:.0f} frames/s, {decode['ratio']:.1f}x one CPU core with libjpeg-turbo "
+            f"({decode['cpu_fps']:.0f}); mean |difference| {decode['difference']:.2f} levels",
+            decode["difference"] < 1.5,
+        )
+    )
     kernel = attention_kernel(cfg)
     checks.append((f"attention: {kernel}", device == "CPU" or kernel.startswith("flash")))
     lines = table(rows)
@@ -201,6 +213,41 @@ def evaluate(run: Path) -> dict:
         **metrics,
         "views_per_video": metrics["clips"] // max(metrics["videos"], 1),
         "videos_per_s": metrics["videos"] / seconds,
+    }
+
+
+def jpeg_decode(store: Path, batch: int, rounds: int = 5) -> dict:
+    """Frames/s of ``--data.decode device`` (nvJPEG on CUDA) against one CPU core, on the check's own clips."""
+    from clipforge.preprocess.store import ClipStore, decode_jpeg, decode_jpeg_batch, encode_jpeg
+
+    source = ClipStore.open(store)
+    clips = np.stack([source.read_clip(i) for i in range(min(batch, len(source)))])
+    encoded = encode_jpeg(clips, 90)
+    rows = [list(row) for row in encoded]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    decode_jpeg_batch(rows, device)  # warm: the decoder's handles and buffers
+    cpu_s, device_s = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        host = np.stack([decode_jpeg(row) for row in rows])
+        cpu_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        decoded = decode_jpeg_batch(rows, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        device_s.append(time.perf_counter() - start)
+    frames = clips.shape[0] * clips.shape[1]
+    cpu_fps, device_fps = frames / float(np.median(cpu_s)), frames / float(np.median(device_s))
+    difference = float(np.abs(decoded.cpu().numpy().astype(np.int16) - host.astype(np.int16)).mean())
+    size = f"{clips.shape[2]}x{clips.shape[3]}"
+    return {
+        "frames": frames,
+        "size": size,
+        "device": device.type,
+        "cpu_fps": cpu_fps,
+        "device_fps": device_fps,
+        "ratio": device_fps / cpu_fps,
+        "difference": difference,
     }
 
 

@@ -24,6 +24,7 @@ def test_the_device_check_trains_resumes_evaluates_and_prints_its_table_on_cpus(
     assert [row.split("|")[1].strip() for row in rows] == ["zero-0", "zero-2", "zero-3"]
     assert all("%" in row.split("|")[4] for row in rows)  # an MFU for every run
     verdicts = [line for line in lines if line.startswith(("PASS", "FAIL"))]
-    assert len(verdicts) == 6 and all(v.startswith("PASS") for v in verdicts), verdicts
+    assert len(verdicts) == 7 and all(v.startswith("PASS") for v in verdicts), verdicts
     assert any("killed after step 3 and resumed" in v for v in verdicts)
+    assert any("jpeg decode of" in v and "mean |difference| 0.00 levels" in v for v in verdicts)  # CPUs: the same
     assert "| zero-3 |" in (tmp_path / "check.md").read_text()
