@@ -72,8 +72,10 @@ def model_card(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def review_text(new: dict[str, Any], base: dict[str, Any] | None, against: str | None) -> str:
-    """The pull-request body: what changed against the alias, metric deltas with arrows, then the card."""
+def review_text(
+    new: dict[str, Any], base: dict[str, Any] | None, against: str | None, weights: dict[str, Any] | None = None
+) -> str:
+    """The pull-request body: what changed against the alias, metric deltas with arrows, weights, then the card."""
     title = f"{new['name']} v{new['version']}"
     lines = [f"## Review: {title}", ""]
     if base is None:
@@ -84,9 +86,11 @@ def review_text(new: dict[str, Any], base: dict[str, Any] | None, against: str |
             if against and base["version"] != _parent_version(new)
             else f"v{base['version']}"
         )
+        lines += [f"Compared with {label}.", ""]
+        warning = different_data(base, new)
+        if warning:
+            lines += [f"**Warning:** {warning}", ""]
         lines += [
-            f"Compared with {label}.",
-            "",
             "| metric | before | after | change |",
             "| --- | ---: | ---: | :---: |",
         ]
@@ -100,13 +104,85 @@ def review_text(new: dict[str, Any], base: dict[str, Any] | None, against: str |
         changes = list(config_changes(base.get("training_config", {}), new.get("training_config", {})))
         if changes:
             lines += ["Training config changes:", ""] + [f"- `{k}`: {a!r} → {b!r}" for k, a, b in changes[:30]] + [""]
-        if base.get("data_fingerprint", {}).get("index_sha256") != new.get("data_fingerprint", {}).get("index_sha256"):
-            lines += ["**The training data changed** (clip store index differs).", ""]
+        if weights is not None:
+            lines += weight_lines(weights, base["version"])
         size_a, size_b = base["files"]["model.safetensors"]["size"], new["files"]["model.safetensors"]["size"]
         if size_a != size_b:
             lines += [f"Weights: {size_a / 2**20:.1f} MiB → {size_b / 2**20:.1f} MiB.", ""]
     lines += ["---", "", model_card(new)]
     return "\n".join(lines)
+
+
+def different_data(base: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """One line when two versions' metrics come from different data (another store, split or clip parameters)."""
+    a, b = base.get("data_fingerprint") or {}, new.get("data_fingerprint") or {}
+    what = [
+        label
+        for label, x, y in (
+            ("clip store", a.get("index_sha256"), b.get("index_sha256")),
+            ("clip parameters", a.get("params"), b.get("params")),
+            ("classes", a.get("classes"), b.get("classes")),
+            ("evaluation split", base.get("metrics_split"), new.get("metrics_split")),
+        )
+        if x != y
+    ]
+    if not what:
+        return None
+    store = lambda r: (r.get("data_fingerprint") or {}).get("index_sha256", "?")[:12]  # noqa: E731
+    return (
+        f"the metrics come from different data ({', '.join(what)} differ: v{base['version']} on store "
+        f"{store(base)}, v{new['version']} on {store(new)}), so their deltas say little; evaluate both on one store"
+    )
+
+
+def weight_diff(a: Any, b: Any) -> dict[str, Any]:
+    """Per tensor of two safetensors files: relative L2 norm of the change, and what was added or removed."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(str(a), framework="np") as fa, safe_open(str(b), framework="np") as fb:
+        keys_a, keys_b = set(fa.keys()), set(fb.keys())
+        changed, reshaped, same = [], [], 0
+        for key in sorted(keys_a & keys_b):
+            x, y = fa.get_tensor(key), fb.get_tensor(key)
+            if x.shape != y.shape:
+                reshaped.append((key, list(x.shape), list(y.shape)))
+                continue
+            x64, y64 = x.astype(np.float64), y.astype(np.float64)
+            delta = float(np.linalg.norm(y64 - x64))
+            if delta == 0.0:
+                same += 1
+                continue
+            norm = float(np.linalg.norm(x64))
+            changed.append((key, delta / norm if norm else float("inf"), int(x.size)))
+    changed.sort(key=lambda c: -c[1])
+    return {
+        "changed": changed,
+        "reshaped": reshaped,
+        "unchanged": same,
+        "added": sorted(keys_b - keys_a),
+        "removed": sorted(keys_a - keys_b),
+    }
+
+
+def weight_lines(w: dict[str, Any], base_version: int, top: int = 15) -> list[str]:
+    lines = [
+        f"Weights against v{base_version}: {len(w['changed'])} tensors changed, {w['unchanged']} unchanged, "
+        f"{len(w['added'])} added, {len(w['removed'])} removed, {len(w['reshaped'])} reshaped.",
+        "",
+    ]
+    if w["changed"]:
+        lines += ["| tensor | elements | relative change ‖Δ‖/‖before‖ |", "| --- | ---: | ---: |"]
+        lines += [f"| `{k}` | {n:,} | {r:.4g} |" for k, r, n in w["changed"][:top]]
+        if len(w["changed"]) > top:
+            lines.append(f"| ... {len(w['changed']) - top} more | | |")
+        lines.append("")
+    for label, keys in (("Added", w["added"]), ("Removed", w["removed"])):
+        if keys:
+            lines += [f"{label}: " + ", ".join(f"`{k}`" for k in keys[:20]), ""]
+    for key, x, y in w["reshaped"][:20]:
+        lines += [f"Reshaped: `{key}` {x} → {y}", ""]
+    return lines
 
 
 def _parent_version(r: dict[str, Any]) -> int | None:

@@ -7,6 +7,14 @@ a reviewer reads). Aliases (``production``, ``staging``) are annotated tags
 ``<name>/<alias>``, moved with compare-and-swap: merging sibling version
 branches into one branch would conflict on the weights.
 
+``main`` also keeps the registry's own records, one folder per model:
+``models/<name>/versions.jsonl`` (the ledger: each version's commit and weights'
+sha256, as pushed), ``models/<name>/aliases.yaml`` (which version each alias
+names) and ``models/<name>/history.jsonl`` (every alias move: who, when, from,
+to, why). A promotion changes ``aliases.yaml`` on ``main``, directly or through
+a reviewed pull request, and the alias tag follows it. :mod:`.protect` makes a
+bare remote refuse any rewrite of all this.
+
 Every operation works in its own clone made with LFS smudging off (instant),
 and fetches only the LFS objects it needs. clipforge never writes the user's
 global or system git config: the LFS filter is passed on the command line and
@@ -17,10 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import getpass
+import hashlib
+import json
 import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -34,7 +46,8 @@ import yaml
 from clipforge.hpc.errors import UserError
 from clipforge.rundir import RunDir
 
-from .card import config_changes, model_card, review_text
+from . import protect
+from .card import config_changes, model_card, review_text, weight_diff
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.pt", "*.bin", "*.onnx"]
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -107,11 +120,18 @@ class Registry:
 
     # -- creating -----------------------------------------------------------------
     @classmethod
-    def init(cls, remote: str, lfs_url: str | None = None, bare: bool = True) -> Registry:
-        """Create a registry: a bare repository at ``remote`` (a path) when asked, and its ``main`` branch."""
+    def init(cls, remote: str, lfs_url: str | None = None, bare: bool = True, group: str | None = None) -> Registry:
+        """Create a registry: a protected bare repository at ``remote`` (a path) when asked, and its ``main``.
+
+        ``group``: the Unix group that shares the repository (``core.sharedRepository``): its members
+        push, nobody else writes.
+        """
         if bare and "://" not in remote:
             Path(remote).mkdir(parents=True, exist_ok=True)
             git.Repo.init(remote, bare=True, initial_branch="main")
+            protect.install(Path(remote), group)
+        elif group is not None:
+            raise RegistryError(f"--group sets a bare repository's permissions; {remote} is not a path")
         registry = cls(remote, lfs_url)
         with tempfile.TemporaryDirectory(prefix="clipforge-registry-") as tmp:
             repo = git.Repo.init(tmp, initial_branch="main")
@@ -121,7 +141,10 @@ class Registry:
             )
             (Path(tmp) / "README.md").write_text(
                 "# Model registry\n\nEach model version is a branch `models/<name>/v<N>`; aliases are tags "
-                "`<name>/<alias>`.\n"
+                "`<name>/<alias>` (`git checkout <name>/production`).\n"
+                "`models/<name>/` on this branch holds the ledger of versions (`versions.jsonl`), which version "
+                "each alias names (`aliases.yaml`; a pull request changing it is a promotion) and every alias "
+                "move (`history.jsonl`).\n"
                 "Weights are stored with Git LFS. Managed with `clipforge registry`.\n"
             )
             repo.git.add(".gitattributes", "README.md")
@@ -197,6 +220,7 @@ class Registry:
         run, config, weights = run_dir.record(), run_dir.config(), run_dir.weights
         with self._clone("main") as repo:
             for _ in range(attempts):
+                self._git(repo, "fetch", "origin", "+refs/heads/main:refs/remotes/origin/main")
                 taken = self.versions(name).get(name, [])
                 version = (taken[-1] if taken else 0) + 1
                 ref = Ref(name, version=version)
@@ -232,55 +256,183 @@ class Registry:
                 (folder / "model.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
                 (folder / "MODEL.md").write_text(model_card(record))
                 repo.git.add(name)
-                repo.git.commit("-m", f"{name} v{version}", env=AUTHOR)
+                # The trailer is what the remote's hook checks a new version branch for.
+                repo.git.commit("-m", f"{name} v{version}\n\n{protect.TRAILER}: {ref}", env=AUTHOR)
                 self._check_lfs(repo, f"{name}/model.safetensors")
+                entry = {
+                    "version": version,
+                    "commit": repo.head.commit.hexsha,
+                    "sha256": digest,
+                    "size": record["files"]["model.safetensors"]["size"],
+                    "by": _who(),
+                    "at": record["created"],
+                }
+                repo.git.checkout("-B", "main", "origin/main")
+                _append_jsonl(Path(repo.working_tree_dir) / "models" / name / "versions.jsonl", entry)
+                repo.git.add(f"models/{name}/versions.jsonl")
+                repo.git.commit("-m", f"ledger: {ref} at {entry['commit'][:12]}", env=AUTHOR)
                 try:
-                    self._git(repo, "push", "origin", f"{ref.branch}:{ref.branch}")
+                    self._git(repo, "push", "--atomic", "origin", f"{ref.branch}:{ref.branch}", "main:main")
                     return ref
                 except RegistryError as exc:
-                    lost = ("rejected", "already exists", "cannot lock ref", "failed to update ref")
-                    if not any(sign in exc.detail for sign in lost):
+                    if not _lost_race(exc):
                         raise
-                    # Another push took this number; its loser's LFS upload is an orphan for `gc`.
+                    # Another push took this number or moved main; its loser's LFS upload is an orphan for `gc`.
             raise RegistryError(f"gave up pushing {name} after {attempts} attempts: too many concurrent pushes")
 
-    def promote(self, ref: Ref, alias: str, expect: int | None | str = "current") -> Ref:
-        """Point alias tag ``<name>/<alias>`` at a version, with compare-and-swap.
+    def promote(
+        self, ref: Ref, alias: str, expect: int | None | str = "current", why: str = "", attempts: int = 20
+    ) -> Ref:
+        """Point alias ``<name>/<alias>`` at a version, with compare-and-swap, and record the move.
 
         ``expect`` is the version the caller believes the alias points to (None: unset);
         by default, whatever it points to when we look. If another promotion moved it
-        in between, the push's lease fails and nothing changes.
+        in between, the push's lease fails and nothing changes. ``main``'s
+        ``aliases.yaml`` and ``history.jsonl`` change in the same atomic push as the tag.
         """
         Ref.parse(f"{ref.name}@{alias}")
         ref = self.resolve(ref)
         tag = f"refs/tags/{ref.name}/{alias}"
-        tags = self._ls_remote("--tags", f"{tag}*")
-        old = tags.get(tag, "")
-        if expect != "current":
-            current = self.aliases(ref.name).get(ref.name, {}).get(alias)
-            if current != expect:
-                raise RegistryError(
-                    f"{ref.name}@{alias} points to {f'v{current}' if current else 'nothing'}, not "
-                    f"{f'v{expect}' if expect else 'nothing'} as expected: someone promoted meanwhile; look and retry"
-                )
-        with self._clone(ref.branch) as repo:
-            repo.git.tag(
-                "-f",
-                "-a",
-                f"{ref.name}/{alias}",
-                f"origin/{ref.branch}",
-                "-m",
-                f"{ref.name} {alias}: v{ref.version}",
-                env=AUTHOR,
+        seen = self.aliases(ref.name).get(ref.name, {}).get(alias)
+        if expect != "current" and seen != expect:
+            raise RegistryError(
+                f"{ref.name}@{alias} points to {f'v{seen}' if seen else 'nothing'}, not "
+                f"{f'v{expect}' if expect else 'nothing'} as expected: someone promoted meanwhile; look and retry"
             )
+        with self._clone(ref.branch) as repo:
+            for _ in range(attempts):
+                old = self._ls_remote("--tags", f"{tag}*").get(tag, "")
+                current = self.aliases(ref.name).get(ref.name, {}).get(alias)
+                if current != seen:
+                    raise RegistryError(
+                        f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge "
+                        f"registry list {ref.name}` and retry"
+                    )
+                self._git(repo, "fetch", "origin", "+refs/heads/main:refs/remotes/origin/main")
+                repo.git.checkout("-B", "main", "origin/main")
+                self._record_move(repo, ref, alias, current, why, via="promote")
+                repo.git.tag(
+                    "-f",
+                    "-a",
+                    f"{ref.name}/{alias}",
+                    f"origin/{ref.branch}",
+                    "-m",
+                    f"{ref.name} {alias}: v{ref.version}",
+                    env=AUTHOR,
+                )
+                try:
+                    self._git(
+                        repo,
+                        "push",
+                        "--atomic",
+                        f"--force-with-lease={tag}:{old}",
+                        "origin",
+                        f"{tag}:{tag}",
+                        "main:main",
+                    )
+                    return ref
+                except RegistryError as exc:
+                    if "stale info" in exc.detail:
+                        raise RegistryError(
+                            f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge "
+                            f"registry list {ref.name}` and retry"
+                        ) from exc
+                    if not _lost_race(exc):
+                        raise
+        raise RegistryError(f"gave up promoting {ref} after {attempts} attempts: main keeps moving")
+
+    def propose(self, ref: Ref, alias: str, why: str = "", against: str | None = None) -> tuple[str, str]:
+        """A promotion as a pull request: branch ``promote/<name>/<alias>/v<N>`` changing ``main``'s alias file.
+
+        Returns (branch, review text for its body). Merging the branch into ``main`` (on the host, or with
+        plain git) is what moves the alias: the remote's hook, or ``registry sync`` on a hosted remote.
+        """
+        Ref.parse(f"{ref.name}@{alias}")
+        ref = self.resolve(ref)
+        current = self.aliases(ref.name).get(ref.name, {}).get(alias)
+        branch = f"promote/{ref.name}/{alias}/v{ref.version}"
+        with self._clone("main") as repo:
+            repo.git.checkout("-B", branch, "origin/main")
+            self._record_move(repo, ref, alias, current, why, via=f"pull request {branch}")
+            self._git(repo, "push", "--force", "origin", f"{branch}:{branch}")
+        return branch, self.review(ref, against or alias)
+
+    def _record_move(self, repo: git.Repo, ref: Ref, alias: str, current: int | None, why: str, via: str) -> None:
+        """Commit, on the checked-out branch, ``aliases.yaml`` naming the new version and a line of history."""
+        folder = Path(repo.working_tree_dir) / "models" / ref.name
+        folder.mkdir(parents=True, exist_ok=True)
+        aliases = _read_aliases(folder / "aliases.yaml")
+        aliases[alias] = ref.version
+        (folder / "aliases.yaml").write_text("".join(f"{a}: {v}\n" for a, v in sorted(aliases.items())))
+        move = {
+            "alias": alias,
+            "from": current,
+            "to": ref.version,
+            "by": _who(),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "why": why,
+            "via": via,
+        }
+        _append_jsonl(folder / "history.jsonl", move)
+        repo.git.add(f"models/{ref.name}")
+        moved = f"v{current}" if current else "unset"
+        repo.git.commit(
+            "-m", f"{ref.name}@{alias}: {moved} -> v{ref.version}" + (f"\n\n{why}" if why else ""), env=AUTHOR
+        )
+
+    def history(self, name: str) -> list[dict[str, Any]]:
+        """Every alias move of ``name``, oldest first, with the commit on ``main`` that made it and its committer
+        (for a merged pull request: who merged it, and when)."""
+        Ref.parse(name)
+        path = f"models/{name}/history.jsonl"
+        with self._clone("main") as repo:
             try:
+                text = repo.git.show(f"origin/main:{path}")
+            except git.GitCommandError:
+                return []
+            blame = repo.git.blame("--first-parent", "--line-porcelain", "origin/main", "--", path)
+        commits = []
+        for line in blame.splitlines():
+            if re.match(r"^[0-9a-f]{40} \d+ \d+", line):
+                commits.append({"commit": line[:40]})
+            elif line.startswith("committer ") and commits:
+                commits[-1]["merged_by"] = line[len("committer ") :]
+            elif line.startswith("committer-time ") and commits:
+                commits[-1]["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(line.split()[1])))
+        moves = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [{**m, **c} for m, c in zip(moves, commits)]
+
+    def sync(self) -> list[str]:
+        """Point every alias tag at what ``main``'s alias files say (after a pull request merged on a host that
+        runs no hooks); compare-and-swap per tag. Returns the moves made."""
+        moved = []
+        with self._clone("main") as repo:
+            root = Path(repo.working_tree_dir) / "models"
+            wanted = {
+                (folder.name, alias): version
+                for folder in (sorted(root.iterdir()) if root.is_dir() else [])
+                for alias, version in _read_aliases(folder / "aliases.yaml").items()
+            }
+            have = self.aliases()
+            for (name, alias), version in sorted(wanted.items()):
+                if have.get(name, {}).get(alias) == version:
+                    continue
+                ref = Ref(name, version=version)
+                tag = f"refs/tags/{name}/{alias}"
+                old = self._ls_remote("--tags", f"{tag}*").get(tag, "")
+                self._git(repo, "fetch", "origin", f"+refs/heads/{ref.branch}:refs/remotes/origin/{ref.branch}")
+                repo.git.tag(
+                    "-f",
+                    "-a",
+                    f"{name}/{alias}",
+                    f"origin/{ref.branch}",
+                    "-m",
+                    f"{name} {alias}: v{version}",
+                    env=AUTHOR,
+                )
                 self._git(repo, "push", f"--force-with-lease={tag}:{old}", "origin", f"{tag}:{tag}")
-            except RegistryError as exc:
-                raise RegistryError(
-                    f"{ref.name}@{alias} was moved by someone else while promoting {ref}; check `clipforge registry "
-                    f"list {ref.name}` and retry"
-                ) from exc
-        return ref
+                moved.append(f"{name}@{alias} -> v{version}")
+        return moved
 
     def pull(self, ref: Ref, to: Path) -> list[str]:
         """Fetch one version's files (only its LFS objects), verify the weights' sha256, copy them to ``to``.
@@ -321,7 +473,7 @@ class Registry:
                 (to / file).write_text(repo.git.show(f"origin/{ref.branch}:{ref.name}/{file}") + "\n")
         return fetched
 
-    def review(self, ref: Ref, against: str | None = "production") -> str:
+    def review(self, ref: Ref, against: str | None = "production", weights_too: bool = True) -> str:
         """The pull-request body for a version, compared with an alias (or its parent when the alias is unset)."""
         ref = self.resolve(ref)
         new = self.record(ref)
@@ -333,7 +485,103 @@ class Registry:
                 base = None
         if base is None and new.get("parent"):
             base = self.record(Ref.parse(new["parent"]))
-        return review_text(new, base, against)
+        weights = None
+        if base is not None and weights_too:
+            weights = self.weight_changes(Ref(base["name"], version=base["version"]), ref)
+        return review_text(new, base, against, weights)
+
+    def verify(self) -> tuple[list[str], dict[str, int]]:
+        """Check any remote after the fact; returns (problems, counts). Each problem names the version or alias.
+
+        Versions are checked against the ledger on ``main`` (commit and sha256 as pushed); each version's
+        weights are fetched and hashed; every alias must point at a released version and agree with ``main``.
+        """
+        problems: list[str] = []
+        heads = self._ls_remote("--heads", "refs/heads/models/*")
+        tags = self._ls_remote("--tags", "refs/tags/*")
+        with self._clone("main") as repo:
+            ledger: dict[str, dict[str, Any]] = {}
+            wanted: dict[tuple[str, str], int] = {}
+            root = Path(repo.working_tree_dir) / "models"
+            for folder in sorted(root.iterdir()) if root.is_dir() else []:
+                for line in (
+                    (folder / "versions.jsonl").read_text().splitlines() if (folder / "versions.jsonl").exists() else []
+                ):
+                    entry = json.loads(line)
+                    ledger[f"refs/heads/models/{folder.name}/v{entry['version']}"] = {**entry, "name": folder.name}
+                for alias, version in _read_aliases(folder / "aliases.yaml").items():
+                    wanted[(folder.name, alias)] = version
+            for branch, entry in sorted(ledger.items()):
+                ref = Ref(entry["name"], version=entry["version"])
+                now = heads.get(branch)
+                if now is None:
+                    problems.append(f"{ref}: its branch was deleted (pushed as {entry['commit'][:12]})")
+                elif now != entry["commit"]:
+                    problems.append(
+                        f"{ref}: rewritten after its push: the branch is at {now[:12]}, "
+                        f"pushed as {entry['commit'][:12]}"
+                    )
+            for branch in sorted(set(heads) - set(ledger)):
+                name, version = branch.removeprefix("refs/heads/models/").rsplit("/v", 1)
+                problems.append(f"{name}@v{version}: not in the ledger (pushed behind the registry's back)")
+            for branch, entry in sorted(ledger.items()):
+                if heads.get(branch) is None:
+                    continue
+                problems += self._verify_weights(repo, Ref(entry["name"], version=entry["version"]), entry)
+            released = {heads[b]: b for b in heads}
+            for ref, sha in sorted(tags.items()):
+                if not ref.endswith("^{}"):
+                    continue
+                tag = ref[len("refs/tags/") : -3]
+                name, _, alias = tag.partition("/")
+                branch = released.get(sha)
+                if branch is None or not branch.startswith(f"refs/heads/models/{name}/v"):
+                    problems.append(
+                        f"{name}@{alias}: the tag points at {sha[:12]}, which is no released version of {name}"
+                    )
+                    continue
+                version = int(branch.rsplit("/v", 1)[1])
+                if (name, alias) in wanted and wanted[(name, alias)] != version:
+                    problems.append(
+                        f"{name}@{alias}: main's aliases.yaml names v{wanted[(name, alias)]} but the tag points at "
+                        f"v{version}; run clipforge registry sync"
+                    )
+        return problems, {"versions": len(heads), "aliases": sum(1 for r in tags if r.endswith("^{}"))}
+
+    def _verify_weights(self, repo: git.Repo, ref: Ref, entry: dict[str, Any]) -> list[str]:
+        """Fetch one version's weights and hash them: against the pointer, the record and the ledger."""
+        self._git(repo, "fetch", "origin", f"+refs/heads/{ref.branch}:refs/remotes/origin/{ref.branch}")
+        path = f"{ref.name}/model.safetensors"
+        oid = _pointer_oid(repo.git.show(f"origin/{ref.branch}:{path}"))
+        record = yaml.safe_load(repo.git.show(f"origin/{ref.branch}:{ref.name}/model.yaml"))
+        recorded = record["files"]["model.safetensors"]["sha256"]
+        if not oid == recorded == entry["sha256"]:
+            return [
+                f"{ref}: the weights' pointer says {oid[:12]}, model.yaml {recorded[:12]}, "
+                f"the ledger {entry['sha256'][:12]}"
+            ]
+        try:
+            self._git(repo, "lfs", "fetch", "origin", f"origin/{ref.branch}", "--include", path)
+        except RegistryError as exc:
+            return [f"{ref}: its weights could not be fetched or do not match their sha256 {oid[:12]}: {exc}"]
+        stored = Path(repo.git_dir) / "lfs" / "objects" / oid[:2] / oid[2:4] / oid
+        if not stored.exists():
+            return [f"{ref}: the remote has no LFS object {oid[:12]} for its weights"]
+        digest = hashlib.sha256()
+        with open(stored, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        if digest.hexdigest() != oid:
+            return [f"{ref}: its weights hash to {digest.hexdigest()[:12]}, not their recorded sha256 {oid[:12]}"]
+        stored.unlink()  # one version's weights on disk at a time
+        return []
+
+    def weight_changes(self, a: Ref, b: Ref) -> dict[str, Any]:
+        """Tensor by tensor, how ``b``'s weights differ from ``a``'s (both pulled and verified first)."""
+        with tempfile.TemporaryDirectory(prefix="clipforge-weights-") as tmp:
+            self.pull(a, Path(tmp) / "a")
+            self.pull(b, Path(tmp) / "b")
+            return weight_diff(Path(tmp) / "a" / "model.safetensors", Path(tmp) / "b" / "model.safetensors")
 
     def diff(self, a: Ref, b: Ref) -> dict[str, Any]:
         """Metric, config and size differences between two versions."""
@@ -455,6 +703,44 @@ class Registry:
             raise RegistryError(
                 f"{path} was committed as a {size}-byte blob, not an LFS pointer: the git-lfs filter did not run"
             )
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def _append_jsonl(path: Path, entry: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def _read_aliases(path: Path) -> dict[str, int]:
+    if not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        alias, _, version = line.partition(":")
+        if version.strip().isdigit():
+            found[alias.strip()] = int(version)
+    return found
+
+
+def _lost_race(exc: RegistryError) -> bool:
+    """Whether a push failed because someone else pushed first (a version number taken, ``main`` moved)."""
+    signs = (
+        "rejected",
+        "already exists",
+        "cannot lock ref",
+        "failed to update ref",
+        "atomic push failed",
+        "fetch first",
+    )
+    return any(sign in exc.detail for sign in signs)
 
 
 def _pointer_oid(pointer: str) -> str:
