@@ -4,7 +4,7 @@ clipforge cluster up|down|status|env     a Slurm cluster on this host (--nodes N
 clipforge jobs run NAME [ARGS]           run a job module (selftest, ...)
 clipforge jobs list|status|logs|cancel   jobs submitted through clipforge
 clipforge jobs sbatch-lines              #SBATCH lines for given resources
-clipforge registry init|push|list|show|diff|pull|promote|review|gc
+clipforge registry init|push|list|show|diff|pull|promote|propose|history|sync|review|verify|protect|gc
                                          model versions as Git LFS branches
 clipforge store inspect|verify STORE     a clip store's videos (timing, decodable span, what is odd); its shards
 clipforge demo                           the main job on the embedded default
@@ -98,7 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     rsub = reg.add_subparsers(metavar="VERB")
     ref_help = "a version: NAME@vN, or NAME@ALIAS (an alias tag such as production)"
     for verb, text, arguments in (
-        ("init", "create a registry (a bare repository at --remote, and its main branch)", []),
+        (
+            "init",
+            "create a registry: a protected bare repository at --remote, and its main branch",
+            [("--group", {"help": "Unix group that shares the repository: its members push, nobody else writes"})],
+        ),
         (
             "push",
             "push a finished run as the next version of NAME",
@@ -138,7 +142,26 @@ def _parser() -> argparse.ArgumentParser:
                         "default: whatever it points at when read, so a concurrent promote is refused"
                     },
                 ),
+                ("--why", {"default": "", "help": "why, for the alias's history"}),
             ],
+        ),
+        (
+            "propose",
+            "propose a promotion as a pull request: a branch whose merge into main moves the alias",
+            [
+                ("ref", {"help": "the version to promote (NAME@vN)"}),
+                ("--alias", {"required": True, "help": "alias to point at it, e.g. production"}),
+                ("--why", {"default": "", "help": "why, for the alias's history and the pull request"}),
+                ("--open", {"action": "store_true", "help": "open the pull request with gh or glab"}),
+            ],
+        ),
+        ("history", "every alias move of a model: who, when, from, to, why", [("name", {"help": "model name"})]),
+        ("sync", "point alias tags at what main's alias files say (after a merge on a host without hooks)", []),
+        ("verify", "check versions against the ledger, weights against their sha256, aliases against versions", []),
+        (
+            "protect",
+            "print (or apply, with gh or glab) the rules that protect a GitHub or GitLab registry",
+            [("--apply", {"action": "store_true", "help": "apply them with the host's CLI"})],
         ),
         (
             "review",
@@ -150,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
                     {"default": "production", "help": "the version or alias to compare with (default: production)"},
                 ),
                 ("--open", {"action": "store_true", "help": "open the pull request with gh or glab"}),
+                ("--no-weights", {"action": "store_true", "help": "skip the weight diff (it pulls both versions)"}),
             ],
         ),
         ("gc", "delete LFS objects no version refers to (bare remotes)", []),
@@ -267,9 +291,19 @@ def _registry(args: argparse.Namespace, rest: list[str]) -> int:
     if not args.remote:
         raise config.ConfigError("no registry: pass --remote PATH_OR_URL or set CLIPFORGE_REGISTRY")
     if args.verb == "init":
-        Registry.init(args.remote, args.lfs_url)
-        print(f"registry created at {args.remote}")
+        bare = "://" not in args.remote
+        Registry.init(args.remote, args.lfs_url, bare=bare, group=args.group)
+        print(
+            f"registry created at {args.remote}"
+            + (
+                ": versions and aliases cannot be rewritten or deleted there"
+                if bare
+                else f"; protect it on the host: clipforge registry --remote {args.remote} protect"
+            )
+        )
         return 0
+    if args.verb == "protect":
+        return _registry_protect(args)
     reg = Registry(args.remote, args.lfs_url)
     if args.verb == "push":
         ref = reg.push(Path(args.run_dir), args.name)
@@ -288,26 +322,86 @@ def _registry(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"pulled {args.ref} into {args.to} ({len(fetched)} LFS object(s) downloaded, sha256 verified)")
     elif args.verb == "promote":
         expect = "current" if args.expect is None else (None if args.expect == "none" else int(args.expect.lstrip("v")))
-        ref = reg.promote(Ref.parse(args.ref), args.alias, expect=expect)
+        ref = reg.promote(Ref.parse(args.ref), args.alias, expect=expect, why=args.why)
         print(f"{ref.name}@{args.alias} -> v{ref.version}")
+    elif args.verb == "propose":
+        branch, text = reg.propose(Ref.parse(args.ref), args.alias, why=args.why)
+        print(text)
+        print(f"\nproposed on branch {branch}: merging it into main moves {args.ref.split('@')[0]}@{args.alias}")
+        if args.open:
+            return _open_pull_request(f"Promote {args.ref} to {args.alias}", text, branch)
+    elif args.verb == "history":
+        moves = reg.history(args.name)
+        if not moves:
+            print(f"{args.name}: no alias has moved yet")
+        for m in moves:
+            before = f"v{m['from']}" if m["from"] else "unset"
+            merged = f", merged by {m['merged_by'].rsplit(' ', 2)[0]}" if m["via"].startswith("pull request") else ""
+            print(
+                f"{m['at']}  {args.name}@{m['alias']}: {before} -> v{m['to']}  by {m['by']} via {m['via']}{merged}"
+                + (f": {m['why']}" if m["why"] else "")
+            )
+    elif args.verb == "sync":
+        moved = reg.sync()
+        print("\n".join(moved) if moved else "every alias tag already matches main")
+    elif args.verb == "verify":
+        problems, counts = reg.verify()
+        for problem in problems:
+            print(f"TAMPERED  {problem}")
+        print(
+            f"{counts['versions']} versions and {counts['aliases']} aliases checked: "
+            + (f"{len(problems)} problem(s)" if problems else "every version matches its ledger and sha256")
+        )
+        return 1 if problems else 0
     elif args.verb == "review":
-        text = reg.review(Ref.parse(args.ref), args.against)
+        text = reg.review(Ref.parse(args.ref), args.against, weights_too=not args.no_weights)
         print(text)
         if args.open:
-            return _open_pull_request(Ref.parse(args.ref), text)
+            return _open_pull_request(str(Ref.parse(args.ref)), text)
     elif args.verb == "gc":
         removed = reg.gc()
         print(f"removed {len(removed)} orphaned LFS object(s)")
     return 0
 
 
-def _open_pull_request(ref, body: str) -> int:
+def _registry_protect(args: argparse.Namespace) -> int:
+    import shlex
+
+    from clipforge.registry.protect import apply_rules, hosted_rules
+
+    host, commands, what = hosted_rules(args.remote)
+    print(f"# {host}: {what}")
+    for command in commands:
+        argv, stdin = (command[:-1], command[-1]) if "--input" in command else (command, None)
+        line = shlex.join(argv)
+        print(f"echo {shlex.quote(stdin)} | {line}" if stdin else line)
+    if args.apply:
+        for done in apply_rules(commands):
+            print(f"applied: {done}")
+    else:
+        print("# run these (or pass --apply with the host's CLI installed); `registry verify` checks afterwards")
+    return 0
+
+
+def _open_pull_request(title: str, body: str, head: str | None = None) -> int:
     import shutil
     import subprocess
 
     tools = (
-        ("gh", ["gh", "pr", "create", "--title", str(ref), "--body", body]),
-        ("glab", ["glab", "mr", "create", "--title", str(ref), "--description", body]),
+        ("gh", ["gh", "pr", "create", "--title", title, "--body", body, *(["--head", head] if head else [])]),
+        (
+            "glab",
+            [
+                "glab",
+                "mr",
+                "create",
+                "--title",
+                title,
+                "--description",
+                body,
+                *(["--source-branch", head] if head else []),
+            ],
+        ),
     )
     for tool, argv in tools:
         if shutil.which(tool):

@@ -182,45 +182,21 @@ def hosted_rules(remote: str) -> tuple[str, list[list[str]], str]:
                 "POST",
                 f"projects/{project}/protected_branches",
                 "-f",
-                "name=models/*",
+                f"name={pattern}",
                 "-f",
-                "push_access_level=0",
-                "-f",
-                "merge_access_level=0",
-                "-f",
-                "allow_force_push=false",
-            ],
-            [
-                "glab",
-                "api",
-                "-X",
-                "POST",
-                f"projects/{project}/protected_branches",
-                "-f",
-                "name=main",
-                "-f",
-                "push_access_level=40",
+                "push_access_level=30",
                 "-f",
                 "merge_access_level=30",
                 "-f",
                 "allow_force_push=false",
-            ],
-            [
-                "glab",
-                "api",
-                "-X",
-                "POST",
-                f"projects/{project}/protected_tags",
-                "-f",
-                "name=*/*",
-                "-f",
-                "create_access_level=40",
-            ],
+            ]
+            for pattern in ("models/*", "main")
         ]
         what = (
-            "version branches models/* cannot be pushed to or force-pushed after creation by anyone but "
-            "maintainers through the API, main takes merges only, alias tags */* only from maintainers "
-            "(GitLab protects tags from deletion and moves once created)"
+            "version branches models/* and main take no force pushes and cannot be deleted (GitLab cannot "
+            "refuse a fast-forward onto an existing version: registry verify reports one against the ledger); "
+            "GitLab's protected tags can never move, so alias tags stay unprotected and main's aliases.yaml is "
+            "the record: registry verify flags a tag that disagrees with it, registry sync repairs it"
         )
         return "gitlab", commands, what
     ruleset = {
@@ -244,33 +220,14 @@ def hosted_rules(remote: str) -> tuple[str, list[list[str]], str]:
         "conditions": {"ref_name": {"include": ["refs/tags/*/*"], "exclude": []}},
         "rules": [{"type": "deletion"}],
     }
-    main = {
-        "name": "clipforge registry: promotions go through pull requests",
-        "target": "branch",
-        "enforcement": "active",
-        "bypass_actors": [{"actor_id": 5, "actor_type": "RepositoryRole", "bypass_mode": "always"}],
-        "conditions": {"ref_name": {"include": ["refs/heads/main"], "exclude": []}},
-        "rules": [
-            {
-                "type": "pull_request",
-                "parameters": {
-                    "required_approving_review_count": 1,
-                    "dismiss_stale_reviews_on_push": True,
-                    "require_code_owner_review": False,
-                    "require_last_push_approval": False,
-                    "required_review_thread_resolution": False,
-                },
-            }
-        ],
-    }
     commands = [
         ["gh", "api", "--method", "POST", f"repos/{owner}/{repo}/rulesets", "--input", "-", json.dumps(r)]
-        for r in (ruleset, versions, tags, main)
+        for r in (ruleset, versions, tags)
     ]
     what = (
         "version branches and main cannot be deleted or force-pushed, a version branch cannot be updated, "
-        "alias tags cannot be deleted, and main changes through reviewed pull requests (admins bypass, "
-        "for clipforge registry promote run by automation)"
+        "alias tags cannot be deleted; main stays open to fast-forward pushes, which registry push (the ledger) "
+        "and promote make, so review promotions as pull requests (registry propose) by your team's rule"
     )
     return "github", commands, what
 

@@ -15,6 +15,7 @@ import yaml
 
 from clipforge.hpc.files import sha256
 from clipforge.models.builders import ModelError, load_weights
+from clipforge.registry import protect
 from clipforge.registry.repo import Ref, Registry, RegistryError
 from clipforge.rundir import HEADLINE_METRICS, InputShape, RunDir, RunRecord
 
@@ -28,10 +29,22 @@ def isolated_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "home").mkdir()
 
 
-def make_run(folder: Path, seed: int, top1: float = 0.5, lr: float = 1e-3) -> Path:
-    """A finished run directory, written by the run directory's own writer as jobs/train.py leaves it."""
+def make_run(
+    folder: Path,
+    seed: int,
+    top1: float = 0.5,
+    lr: float = 1e-3,
+    nudge: str | None = None,
+    store_sha: str = "ab" * 32,
+) -> Path:
+    """A finished run directory, written by the run directory's own writer as jobs/train.py leaves it.
+
+    ``nudge``: a tensor to change by 1% (the rest as ``seed`` makes them); ``store_sha``: the data it saw.
+    """
     g = torch.Generator().manual_seed(seed)
     state = {"0.weight": torch.randn(64, 256, generator=g), "1.bias": torch.randn(64, generator=g)}
+    if nudge is not None:
+        state[nudge] = state[nudge] * 1.01
     classes = ["a", "b", "c"]
     metrics = {"clip_top1": top1, "clip_top5": 1.0, "video_top1": top1 + 0.1, "video_top5": 1.0, "loss": 1.0 - top1}
     metrics.update(split="val", per_class_accuracy={"a": 1.0, "b": 0.5, "c": None})
@@ -43,7 +56,7 @@ def make_run(folder: Path, seed: int, top1: float = 0.5, lr: float = 1e-3) -> Pa
         input=InputShape(8, 32, 32),
         crop=None,
         store="store",
-        data_fingerprint={"format_version": 1, "index_sha256": "ab" * 32, "classes": classes, "params": params},
+        data_fingerprint={"format_version": 1, "index_sha256": store_sha, "classes": classes, "params": params},
         metrics={k: metrics[k] for k in HEADLINE_METRICS},
         metrics_split="val",
         per_class_accuracy=metrics["per_class_accuracy"],
@@ -68,6 +81,7 @@ def registry(request, tmp_path: Path) -> Registry:
     server = request.getfixturevalue("lfs_server")
     name = f"r{len(list(server.base.iterdir()))}"
     subprocess.run(["git", "init", "-q", "--bare", str(server.base / f"{name}.git")], check=True)
+    protect.install(server.base / f"{name}.git")  # what the server's administrator runs once
     registry = Registry.init(f"{server.git_url}/{name}.git", lfs_url=f"{server.lfs_url}/clipforge/{name}", bare=False)
     registry.bare_dir, registry.objects = server.base / f"{name}.git", server.store / "clipforge" / name
     return registry
@@ -252,3 +266,177 @@ def test_missing_git_lfs_is_one_line(registry: Registry, tmp_path: Path) -> None
     )
     assert result.returncode == 2
     assert "git-lfs is not installed" in result.stderr and "Traceback" not in result.stderr
+
+
+def plain_git(cwd: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """git as a user runs it by hand, without clipforge (LFS smudging off: the pointers are enough here)."""
+    env = {**os.environ, "GIT_LFS_SKIP_SMUDGE": "1", "GIT_TERMINAL_PROMPT": "0", **env}
+    identity = ["-c", "user.name=Plain User", "-c", "user.email=plain@example.org"]
+    result = subprocess.run(["git", *identity, *args], cwd=cwd, capture_output=True, text=True, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def plain_clone(registry: Registry, to: Path) -> Path:
+    plain_git(to.parent, "clone", "-q", "--no-checkout", registry.remote, str(to))
+    plain_git(to, "fetch", "-q", "origin", "+refs/heads/*:refs/remotes/origin/*", "+refs/tags/*:refs/tags/*")
+    return to
+
+
+def test_plain_git_cannot_rewrite_or_delete_released_versions_or_aliases(registry: Registry, tmp_path: Path) -> None:
+    for i in range(2):
+        registry.push(make_run(tmp_path / f"run{i}", i), "clipnet")
+    registry.promote(Ref.parse("clipnet@v1"), "production")
+    clone = plain_clone(registry, tmp_path / "clone")
+    plain_git(clone, "checkout", "-q", "--orphan", "evil")
+    (clone / "clipnet").mkdir()
+    (clone / "clipnet" / "model.yaml").write_text("name: clipnet\nversion: 1\n")
+    plain_git(clone, "add", "clipnet")
+    plain_git(clone, "commit", "-qm", "clipnet v1\n\nRegistry-Version: clipnet@v1")  # even with the trailer
+    attempts = {
+        "force push over v1": (
+            ["push", "-f", "origin", "evil:models/clipnet/v1"],
+            "released version and cannot be rewritten",
+        ),
+        "delete v2": (
+            ["push", "origin", ":models/clipnet/v2"],
+            "clipnet@v2 is a released version and cannot be deleted",
+        ),
+        "delete the alias": (
+            ["push", "origin", ":refs/tags/clipnet/production"],
+            "alias clipnet/production cannot be deleted",
+        ),
+        "alias to a non-version": (
+            ["push", "-f", "origin", "evil:refs/tags/clipnet/production"],
+            "alias clipnet/production must point at a released version",
+        ),
+        "a version without the record": (
+            ["push", "origin", "origin/main:refs/heads/models/clipnet/v7"],
+            "lacks the record",
+        ),
+    }
+    for what, (args, message) in attempts.items():
+        result = plain_git(clone, *args, check=False)
+        assert result.returncode != 0, what
+        assert "clipforge registry: refused" in result.stderr and message in result.stderr, (what, result.stderr)
+    rewrite = plain_git(clone, "push", "-f", "origin", "evil:main", check=False)  # the hook or git's own check
+    assert rewrite.returncode != 0 and ("non-fast-forward" in rewrite.stderr or "append-only" in rewrite.stderr)
+    assert registry.versions("clipnet") == {"clipnet": [1, 2]} and registry.aliases("clipnet") == {
+        "clipnet": {"production": 1}
+    }
+    problems, counts = registry.verify()
+    assert problems == [] and counts == {"versions": 2, "aliases": 1}
+
+
+def test_verify_reports_a_version_rewritten_behind_the_registrys_back_and_replaced_weights(
+    registry: Registry, tmp_path: Path
+) -> None:
+    for i in range(3):
+        registry.push(make_run(tmp_path / f"run{i}", i), "clipnet")
+    registry.promote(Ref.parse("clipnet@v1"), "production")
+    # A remote without the hook (a hosted one before `registry protect`): plain git can rewrite v1.
+    (registry.bare_dir / "hooks" / "pre-receive").unlink()
+    for key in ("receive.denyNonFastForwards", "receive.denyDeletes"):
+        subprocess.run(["git", "--git-dir", str(registry.bare_dir), "config", key, "false"], check=True)
+    clone = plain_clone(registry, tmp_path / "clone")
+    plain_git(clone, "checkout", "-q", "-B", "v1", "origin/models/clipnet/v1")
+    record = yaml.safe_load(plain_git(clone, "show", "HEAD:clipnet/model.yaml").stdout)
+    record["metrics"]["video_top1"] = 0.99  # a better number, silently
+    (clone / "clipnet" / "model.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    plain_git(clone, "add", "clipnet/model.yaml")
+    plain_git(clone, "commit", "-qm", "clipnet v1\n\nRegistry-Version: clipnet@v1")
+    plain_git(clone, "push", "-q", "-f", "origin", "v1:models/clipnet/v1")
+    # And v2's weights replaced in the LFS store.
+    oid = registry.record(Ref.parse("clipnet@v2"))["files"]["model.safetensors"]["sha256"]
+    stored = next(p for p in stored_objects(registry) if p.name == oid)
+    stored.write_bytes((tmp_path / "run2" / "final" / "model.safetensors").read_bytes())
+    problems, _ = registry.verify()
+    assert any(p.startswith("clipnet@v1: rewritten after its push") for p in problems), problems
+    assert any(p.startswith("clipnet@v2:") and oid[:12] in p for p in problems), problems
+    assert not any(p.startswith("clipnet@v3") for p in problems), problems
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clipforge.jobs.cli",
+            "registry",
+            "--remote",
+            registry.remote,
+            *(["--lfs-url", registry.lfs_url] if registry.lfs_url else []),
+            "verify",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1 and "TAMPERED  clipnet@v1: rewritten after its push" in result.stdout, result.stdout
+
+
+def test_a_proposed_promotion_merged_by_plain_git_moves_the_alias_and_is_in_the_history(
+    registry: Registry, tmp_path: Path
+) -> None:
+    for i in range(2):
+        registry.push(make_run(tmp_path / f"run{i}", i, top1=0.5 + i / 10), "clipnet")
+    registry.promote(Ref.parse("clipnet@v1"), "production", why="first model")
+    branch, body = registry.propose(Ref.parse("clipnet@v2"), "production", why="better video top-1")
+    assert branch == "promote/clipnet/production/v2" and "Compared with v1." in body
+    assert registry.aliases("clipnet") == {"clipnet": {"production": 1}}  # proposing moves nothing
+    clone = plain_clone(registry, tmp_path / "clone")
+    plain_git(clone, "checkout", "-q", "-B", "main", "origin/main")
+    plain_git(
+        clone, "merge", "-q", "--no-ff", f"origin/{branch}", "-m", f"Merge {branch}", GIT_COMMITTER_NAME="Rev Iewer"
+    )
+    plain_git(clone, "push", "-q", "origin", "main", GIT_COMMITTER_NAME="Rev Iewer")
+    assert registry.aliases("clipnet") == {"clipnet": {"production": 2}}  # the merge moved it
+    plain_git(clone, "fetch", "-q", "-f", "origin", "+refs/tags/*:refs/tags/*")
+    tip = plain_git(clone, "rev-parse", "clipnet/production^{commit}").stdout.strip()
+    assert tip == plain_git(clone, "rev-parse", "origin/models/clipnet/v2").stdout.strip()  # plain git resolves it
+    history = registry.history("clipnet")
+    assert [(m["from"], m["to"], m["why"]) for m in history] == [(None, 1, "first model"), (1, 2, "better video top-1")]
+    assert history[0]["via"] == "promote" and history[1]["via"] == f"pull request {branch}"
+    assert history[1]["merged_by"].startswith("Rev Iewer")
+    problems, _ = registry.verify()
+    assert problems == []
+
+
+def test_the_review_names_the_changed_tensor_and_warns_when_the_data_differ(registry: Registry, tmp_path: Path) -> None:
+    registry.push(make_run(tmp_path / "a", 0), "clipnet")
+    registry.push(make_run(tmp_path / "b", 0, nudge="1.bias", store_sha="cd" * 32), "clipnet")
+    text = registry.review(Ref.parse("clipnet@v2"), "production")
+    assert "Weights against v1: 1 tensors changed, 1 unchanged, 0 added, 0 removed" in text
+    assert "| `1.bias` | 64 | 0.01 |" in text
+    warning = [line for line in text.splitlines() if line.startswith("**Warning:**")]
+    assert len(warning) == 1 and "the metrics come from different data (clip store differ" in warning[0]
+
+
+def test_init_gives_a_group_shared_registry_and_protect_prints_hosted_rules(tmp_path: Path) -> None:
+    import grp
+    import json
+
+    remote = tmp_path / "team.git"
+    Registry.init(str(remote), group="users")
+    config = subprocess.run(
+        ["git", "--git-dir", str(remote), "config", "core.sharedRepository"], capture_output=True, text=True
+    )
+    assert config.stdout.strip() == "group"
+    gid = grp.getgrnam("users").gr_gid
+    assert all(p.stat().st_gid == gid for p in [remote, *remote.rglob("*")])
+    assert (remote / "refs").stat().st_mode & 0o2070 == 0o2070  # setgid, group-writable: new files stay the team's
+    cli = [sys.executable, "-m", "clipforge.jobs.cli", "registry", "--remote"]
+    bad = subprocess.run(
+        [*cli, str(tmp_path / "x.git"), "init", "--group", "no-such-group"], capture_output=True, text=True
+    )
+    assert (
+        bad.returncode != 0 and "Traceback" not in bad.stderr and "group 'no-such-group' does not exist" in bad.stderr
+    )
+    shown = subprocess.run([*cli, "https://github.com/acme/models.git", "protect"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    rules = [
+        json.loads(line.split("echo ", 1)[1].rsplit(" | gh", 1)[0].strip("'"))
+        for line in shown.stdout.splitlines()
+        if line.startswith("echo ")
+    ]
+    kinds = {rule["type"] for r in rules for rule in r["rules"]}
+    assert kinds == {"deletion", "non_fast_forward", "update"} and "repos/acme/models/rulesets" in shown.stdout
+    odd = subprocess.run([*cli, "/some/path.git", "protect"], capture_output=True, text=True)
+    assert odd.returncode != 0 and "is not a GitHub or GitLab URL" in odd.stderr and "Traceback" not in odd.stderr
