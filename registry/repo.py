@@ -522,31 +522,37 @@ class Registry:
         return [oid]
 
     def _store_object(self, repo: git.Repo, weights: Path) -> tuple[str, int]:
-        """Put the weights into the clone's LFS store (the remote's own, for a bare path) in one pass; (oid, size).
+        """Put the weights into the clone's LFS store (the remote's own, for a bare path): one hash, one copy.
 
         ``git add`` would run git-lfs's clean filter, which hashes with Go's software SHA-256 (git-lfs 3.3,
         Go 1.19: about 170 MB/s here) and reaches git through a pipe: 4-5 s for 500 MB, against 0.5 s for
-        OpenSSL's SHA-256 with the CPU's SHA instructions. So the weights are hashed here while they are
-        copied to their place in the store's documented layout (``objects/OID[0:2]/OID[2:4]/OID``), and git
-        gets the pointer; git-lfs still does every transfer.
+        OpenSSL's SHA-256 with the CPU's SHA instructions. So the weights are hashed here, then copied in
+        the kernel to their place in the store's documented layout (``objects/OID[0:2]/OID[2:4]/OID``), and
+        git gets the pointer; git-lfs still does every transfer.
         """
         storage = repo.git.config("--local", "--default", "", "lfs.storage") or str(Path(repo.git_dir) / "lfs")
         tmp_dir = Path(storage) / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
+        before = weights.stat()
         digest = hashlib.sha256()
-        size = 0
-        with tempfile.NamedTemporaryFile(dir=tmp_dir, delete=False) as out, open(weights, "rb") as f:
+        with open(weights, "rb") as f:
             while chunk := f.read(1 << 23):
                 digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
+        fd, tmp = tempfile.mkstemp(dir=tmp_dir)
+        os.close(fd)
+        shutil.copyfile(weights, tmp)  # in the kernel (copy_file_range), faster than writing from Python
+        after = weights.stat()
+        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+            os.unlink(tmp)
+            raise RegistryError(f"{weights} changed while it was being pushed; push again once it is written")
+        size = after.st_size
         oid = digest.hexdigest()
         target = Path(storage) / "objects" / oid[:2] / oid[2:4] / oid
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():
-            os.unlink(out.name)  # the same weights were pushed before: the object is there already
+            os.unlink(tmp)  # the same weights were pushed before: the object is there already
         else:
-            os.replace(out.name, target)
+            os.replace(tmp, target)
         return oid, size
 
     def _local_bare(self) -> Path | None:
