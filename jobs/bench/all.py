@@ -6,9 +6,10 @@
 Runs, in order: the preprocess room (bare PyAV decode as the limit, packing with
 1 and 2 ranks, the reader against on-the-fly decoding as SlowFast's and
 VideoMAE's loaders do), training (plain DDP against DeepSpeed's ZeRO stages,
-model-state bytes against the ZeRO paper), the registry (push and pull against
-cp, list at 1,000 versions), the parameter server (sync against SSP and
-async with a straggler) and the nodes (one node against three on the
+model-state bytes against the ZeRO paper), the store (10 to 10,000 shards,
+locality, codecs), the registry (push and pull against their floor and plain
+git with git-lfs, list at 1,000 versions), the parameter server (sync against
+SSP and async with a straggler) and the nodes (one node against three on the
 multi-node cluster, and the time from a node's loss to resumed training).
 Each prints its own table with ratios; this job collects them.
 """
