@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +44,9 @@ def make_executor(
     resources = profile.apply(resources)
     folder = Path(folder or jobs_root()) / "%j"
     if kind == "slurm":
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=profile.max_requeues)
+        executor = submitit.SlurmExecutor(
+            folder=folder, max_num_timeout=profile.max_requeues, python=shlex.quote(profile.python)
+        )
         setup = profile.setup_lines()
         executor.update_parameters(**resources.submitit_parameters(), **({"setup": setup} if setup else {}))
         # Kept for the job record; submitit does not expose its own copy.
@@ -54,7 +57,9 @@ def make_executor(
             f"nodes: the {kind} executor runs on this machine only; ask for 1 node, not {resources.nodes}"
         )
     if kind == "local":
-        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=profile.max_requeues)
+        executor = submitit.LocalExecutor(
+            folder=folder, max_num_timeout=profile.max_requeues, python=shlex.quote(profile.python)
+        )
         executor.update_parameters(
             timeout_min=resources.time_minutes,
             tasks_per_node=resources.ntasks_per_node,

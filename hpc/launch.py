@@ -38,8 +38,9 @@ from typing import Any, Literal
 import submitit
 
 from .distenv import LaunchError
+from .errors import UserError
 from .executor import make_executor, submit
-from .logs import setup_logging
+from .logs import ERROR_PREFIX, failure_reason, setup_logging
 from .mpi import mpiexec_command
 from .profile import ClusterProfile, load_profile
 from .requeue import RequeueableJob
@@ -139,11 +140,16 @@ class ScriptJob(RequeueableJob):
         if self.mpi_tasks:
             command = [*mpiexec_command(self.mpi_tasks), sys.executable, "-u", "-m", self.module, *self.argv]
             code = subprocess.run(command, check=False).returncode
-            if code:
+            if code:  # the ranks said why above, in their one line or their traceback
                 raise RuntimeError(f"{self.module} under mpiexec -n {self.mpi_tasks} exited with {code}")
             return code
         spec = job_spec(self.module)
-        return spec.main(spec.parse(self.argv))
+        try:
+            return spec.main(spec.parse(self.argv))
+        except UserError as exc:
+            # Said in one line where the submitter and `clipforge jobs status` look for the reason.
+            print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+            raise
 
     def __repr__(self) -> str:
         return f"ScriptJob({self.module} {' '.join(self.argv)})"
@@ -192,22 +198,47 @@ def submit_script(spec: JobSpec, argv: list[str], resources: Resources, launch: 
         _follow(job)
     try:
         results = job.results()
-    except submitit.core.utils.FailedJobError as exc:
-        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or ["no message"]
-        raise LaunchError(f"job {job.job_id} failed: {last[0].strip()} (log: {job.paths.stderr})") from None
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
+        raise LaunchError(job_failure(job, str(exc))) from None
     return results[0] if len(results) == 1 else results
 
 
+def task_logs(job: submitit.Job) -> list:
+    """Every task's stderr then stdout log of a submitit job, task 0 first."""
+    from pathlib import Path
+
+    folder = Path(str(job.paths.folder))
+    return sorted(folder.glob(f"{job.job_id}_*_log.err")) + sorted(folder.glob(f"{job.job_id}_*_log.out"))
+
+
+def job_failure(job: submitit.Job, fallback: str = "") -> str:
+    """``job N failed: <its own one-line reason>; full log: <path>``."""
+    last = [line.strip() for line in fallback.splitlines() if line.strip()][-1:] or ["no reason in its log"]
+    reason = failure_reason(task_logs(job)) or last[0]
+    return f"job {job.job_id} failed: {reason}; full log: {job.paths.stderr}"
+
+
+_FAILED_MARK = b"Submitted job triggered an exception"
+"""What submitit logs before the traceback of a job that raised: the terminal gets the reason instead."""
+
+
 def _follow(job: submitit.Job) -> None:
-    """Echo rank 0's log while a local job runs, so progress shows on the terminal as it happens."""
+    """Echo rank 0's log while a local job runs, so progress shows on the terminal as it happens.
+
+    The echo stops where submitit reports that the job raised: its traceback stays in the log,
+    and the submitter prints the job's own one-line reason and the log's path.
+    """
     import time
     from pathlib import Path
 
     paths = [Path(str(job.paths.stderr).replace("%t", "0")), Path(str(job.paths.stdout).replace("%t", "0"))]
     offsets = {p: 0 for p in paths}
+    ended: set[Path] = set()
 
     def echo() -> None:
         for path in paths:
+            if path in ended:
+                continue
             try:
                 with open(path, "rb") as f:
                     f.seek(offsets[path])
@@ -215,10 +246,16 @@ def _follow(job: submitit.Job) -> None:
             except FileNotFoundError:
                 continue
             complete = chunk.rfind(b"\n") + 1  # whole lines only
-            if complete:
-                offsets[path] += complete
-                sys.stderr.write(chunk[:complete].decode(errors="replace"))
-                sys.stderr.flush()
+            if not complete:
+                continue
+            chunk = chunk[:complete]
+            offsets[path] += complete
+            mark = chunk.find(_FAILED_MARK)
+            if mark >= 0:
+                chunk = chunk[: chunk.rfind(b"\n", 0, mark) + 1]
+                ended.add(path)
+            sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
 
     while not job.done():
         echo()
@@ -234,7 +271,7 @@ def _srun(spec: JobSpec, argv: list[str], profile: ClusterProfile, ntasks: int, 
     if setup:
         # Setup lines come from the profile file; the user's arguments stay positional, never shell text.
         command += ["bash", "-c", "\n".join(setup) + '\nexec "$@"', "clipforge-setup"]
-    command += [sys.executable, "-u", "-m", spec.module, *argv]
+    command += [profile.python, "-u", "-m", spec.module, *argv]
     log.info("re-launching under srun with %d tasks", ntasks)
     sys.stdout.flush()
     sys.stderr.flush()

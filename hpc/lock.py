@@ -82,6 +82,13 @@ class WriterLock:
             return self
         raise WriterBusy(f"{self.directory}: could not take its writer lock ({self.path}); another job keeps taking it")
 
+    def check_free(self) -> None:
+        """Refuse (the same line as :meth:`acquire`) if a live writer holds the lock; take nothing."""
+        if self.path.exists():
+            holder = self._holder()
+            if gone(holder, self.me, self._age()) is None:
+                raise WriterBusy(self._refusal(holder))
+
     def release(self) -> None:
         self._stop.set()
         if self._holder() == self.me:

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+ERROR_PREFIX = "clipforge: error: "
+"""How every command and job prints a user's mistake: one line, this prefix, what to change."""
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit|Interrupt)): (.+)$")
 
 
 def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
@@ -80,3 +87,28 @@ class Progress:
             eta,
             extra,
         )
+
+
+def failure_reason(logs: Iterable[Path]) -> str | None:
+    """The one line a failed job gave as its reason, read from its logs (tasks in order).
+
+    The last ``clipforge: error:`` line when there is one (a user's mistake, said by the job);
+    otherwise the last line of the last traceback (a bug or a crash), as ``ExceptionName: message``.
+    """
+    said: str | None = None
+    crashed: str | None = None
+    for path in logs:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            at = line.find(ERROR_PREFIX)
+            if at >= 0:
+                said = line[at + len(ERROR_PREFIX) :].strip()
+                continue
+            match = _EXCEPTION_LINE.match(line)
+            if match and match.group(1) not in ("FailedJobError", "UncompletedJobError"):
+                crashed = f"{match.group(1)}: {match.group(2)}"
+    return said or crashed

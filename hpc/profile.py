@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -52,6 +54,9 @@ class ClusterProfile:
     """Environment modules loaded before each job step (``module load ...``)."""
     setup: list[str] = dataclasses.field(default_factory=list)
     """Shell lines run in the batch script before the job step."""
+    environment: str | None = None
+    """The Python environment jobs run in: a venv or conda env folder, the same path on every node (its
+    bin/python runs the job, its bin/ comes first on PATH). Default: the Python that submits."""
     scratch: str | None = None
     """Parallel filesystem path for clip stores and runs (Lustre scratch)."""
     max_requeues: int = 3
@@ -89,7 +94,15 @@ class ClusterProfile:
 
     def setup_lines(self) -> list[str]:
         """Shell lines for the batch script, before the job step starts."""
-        return [f"module load {m}" for m in self.modules] + list(self.setup)
+        lines = [f"module load {m}" for m in self.modules] + list(self.setup)
+        if self.environment:
+            lines.append(f'export PATH={shlex.quote(str(Path(self.environment) / "bin"))}:"$PATH"')
+        return lines
+
+    @property
+    def python(self) -> str:
+        """The interpreter of the job steps: the profile's environment's, else the one running now."""
+        return str(Path(self.environment) / "bin" / "python") if self.environment else sys.executable
 
 
 def search_path() -> list[Path]:
@@ -125,6 +138,14 @@ def _from_dict(data: dict, path: Path) -> ClusterProfile:
     data.setdefault("name", path.stem)
     if data.get("executor", "slurm") not in ("slurm", "local", "debug"):
         raise ProfileError(f"{path}: executor must be slurm, local or debug, got {data['executor']!r}")
+    if data.get("environment"):
+        env = Path(os.path.expandvars(str(data["environment"]))).expanduser()
+        if not (env / "bin" / "python").exists():
+            raise ProfileError(
+                f"{path}: environment {env} has no bin/python; give the folder of the venv or conda env "
+                "clipforge is installed in (the one `which python` shows inside it, less /bin/python)"
+            )
+        data["environment"] = str(env)
     try:
         parts = {str(k): Partition(**(v or {})) for k, v in (data.pop("partitions", None) or {}).items()}
         return ClusterProfile(partitions=parts, **data)

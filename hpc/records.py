@@ -20,8 +20,11 @@ from .cluster import process_alive
 from .errors import UserError
 from .executor import RECORD, jobs_root
 from .files import write_json
+from .logs import failure_reason
 
 POLL_INTERVAL_S = 30.0
+ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
+"""States of a job that has not ended."""
 _CACHE = ".sacct-cache.json"
 
 
@@ -63,6 +66,13 @@ def list_jobs(root: Path | None = None) -> list[JobRecord]:
         elif record.executor == "local" and record.state == "UNKNOWN":
             record.state = "RUNNING" if _pid_alive(record.job_id) else "FAILED"
     return sorted(records, key=lambda r: r.submitted_at, reverse=True)
+
+
+def failure(record: JobRecord) -> str | None:
+    """The one-line reason a job that ended without success gave in its logs (None for a running or done job)."""
+    if record.state in ACTIVE or record.state == "COMPLETED":
+        return None
+    return failure_reason(record.logs)
 
 
 def find_job(job_id: str, root: Path | None = None) -> JobRecord:

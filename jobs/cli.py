@@ -239,6 +239,9 @@ def _jobs_status(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         r = records.find_job(args.job_id)
         status: dict = {"job_id": r.job_id, "state": r.state, "name": r.name, "folder": str(r.folder)}
+        reason = records.failure(r)
+        if reason:
+            status.update(reason=reason, log=str(next((p for p in r.logs if p.suffix == ".err"), r.logs[0])))
         slurm = r.executor == "slurm"
     except records.UnknownJob:
         status, slurm = {"job_id": args.job_id}, True  # perhaps a plain `sbatch jobs/<job>.py`
@@ -265,7 +268,10 @@ def _jobs_logs(args: argparse.Namespace, rest: list[str]) -> int:
             if text[seen.get(path, 0) :]:
                 print(text[seen.get(path, 0) :], end="")
             seen[path] = len(text)
-        if not args.follow or records.find_job(args.job_id).state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN"):
+        if not args.follow or records.find_job(args.job_id).state not in records.ACTIVE:
+            reason = records.failure(records.find_job(args.job_id))
+            if reason:
+                print(f"clipforge: job {args.job_id} failed: {reason}", file=sys.stderr)
             return 0
         time.sleep(records.POLL_INTERVAL_S)
 

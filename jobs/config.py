@@ -87,6 +87,8 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
             value = from_dict(kind, value, where=f"{where}: {name}")
         elif isinstance(value, list) and _accepts_tuple(hints[name]):
             value = tuple(value)  # YAML has lists only
+        elif isinstance(value, str) and _accepts(hints[name], Path):
+            value = Path(value)  # YAML has strings only
         values[name] = value
     return cls(**values)
 
@@ -137,6 +139,11 @@ def _pop_config(argv: list[str]) -> tuple[Path, list[str]]:
             rest.append(arg)
     assert path is not None
     return path, rest
+
+
+def _accepts(hint: Any, kind: type) -> bool:
+    """``hint`` is ``kind`` or a union with it (``Path | None``)."""
+    return hint is kind or kind in typing.get_args(hint)
 
 
 def _accepts_tuple(hint: Any) -> bool:

@@ -21,9 +21,19 @@ video, prints clip(view)- and video-level top-1/top-5 and writes
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
 import dataclasses
 import logging
-import sys
 from pathlib import Path
 from typing import Annotated, Literal
 

@@ -19,14 +19,24 @@ trained on (``--views.temporal`` clips spread over it, ``--views.spatial``
 crops of each); the softmax of its views is averaged. With ``--out`` every
 video gets one JSON line, and a rerun skips the videos already written. A
 video that cannot be decoded gets one line saying why, and the others are
-still classified.
+still classified; the job then exits non-zero, naming how many failed.
 """
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
 import dataclasses
 import logging
-import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -40,7 +50,7 @@ from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import load_trained
 from clipforge.models.evaluation import inference, one_video, view_logits
-from clipforge.models.prediction import PredictionLog, read_manifest, top_classes
+from clipforge.models.prediction import PredictionError, PredictionLog, read_manifest, top_classes
 from clipforge.models.views import Views
 from clipforge.preprocess.decode import ClipParams
 from clipforge.preprocess.reader import DecodedVideos
@@ -132,9 +142,10 @@ def main(cfg: Config) -> list[dict] | None:
     )
     forward = inference(model, device, cfg.precision)
     progress = Progress(len(mine), "predicting", unit="video", enabled=env.is_main and cfg.out is not None)
-    results = []
+    results, failed = [], 0
     for path, item in zip(mine, loader):
         if item["error"] is not None:
+            failed += 1
             print(f"{path}: cannot classify: {item['error'].removeprefix(f'{path}: ')}", file=sys.stderr)
             record_line = {"video": str(path), "error": item["error"]}
         else:
@@ -156,8 +167,19 @@ def main(cfg: Config) -> list[dict] | None:
         if env.is_main:
             added = output.merge()
             log.info("%d videos predicted now, %d lines in %s", added, len(output.done()), cfg.out)
+            failed = len(output.failed() & {str(v) for v in videos})  # earlier runs' failures count too
+    elif grouped:
+        total = torch.tensor([failed], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(total)
+        failed = int(total.item())
     if grouped:
         torch.distributed.destroy_process_group()
+    if failed and env.is_main:
+        # Only rank 0 fails the job: a rank that exits early would make srun kill it before it says why.
+        where = f"their lines in {cfg.out} say why" if cfg.out is not None else "the lines above say why"
+        raise PredictionError(
+            f"{failed} of {len(videos)} videos could not be classified ({where}); the others were classified"
+        )
     return results
 
 

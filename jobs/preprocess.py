@@ -19,9 +19,19 @@ Rerunning the same command on the same --out does only what is missing.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
 import dataclasses
 import logging
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -30,11 +40,12 @@ import tyro
 from clipforge.hpc.distenv import check_mpi_world, dist_env
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.mpi import mpi
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.preprocess.corpus import SplitRatios
 from clipforge.preprocess.decode import ClipParams
-from clipforge.preprocess.pack import PackOptions, pack_corpus
+from clipforge.preprocess.pack import PackOptions, pack_corpus, preflight
 
 log = logging.getLogger("clipforge.preprocess")
 
@@ -60,16 +71,19 @@ def parse(argv: list[str] | None = None) -> Config:
     return config.parse(Config, argv)
 
 
-def main(cfg: Config) -> dict | None:
-    from mpi4py import MPI
+def check(cfg: Config) -> None:
+    """Refuse, before anything is submitted, a corpus, clip parameters or output that cannot work."""
+    preflight(cfg.videos, cfg.out, cfg.clip, cfg.pack)
 
+
+def main(cfg: Config) -> dict | None:
     setup_logging(dist_env().rank)
-    check_mpi_world(MPI.COMM_WORLD.Get_size())
+    check_mpi_world(mpi().COMM_WORLD.Get_size())
     summary = pack_corpus(cfg.videos, cfg.out, cfg.clip, cfg.pack, cfg.split)
     return None if summary is None else dataclasses.asdict(summary)
 
 
-SPEC = JobSpec("clipforge.jobs.preprocess", parse, main, uses_mpi=True)
+SPEC = JobSpec("clipforge.jobs.preprocess", parse, main, check=check, uses_mpi=True)
 
 if __name__ == "__main__":
     sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -19,8 +19,18 @@ The run directory has the same layout as jobs/train.py's, so evaluate.py and the
 
 from __future__ import annotations
 
-import dataclasses
 import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
+import dataclasses
 from typing import Annotated
 
 import tyro

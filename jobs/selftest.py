@@ -20,13 +20,23 @@ steps with its state on disk, so requeue and timeout behaviour can be seen.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
 import dataclasses
 import datetime
 import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Annotated

@@ -9,9 +9,9 @@
 # fmt: on
 """Train a video classifier with DeepSpeed (ZeRO 0-3, pipeline stages) on the clip store.
 
-    python jobs/train.py --config jobs/configs/demo_tiny.yaml \\
+    python jobs/train.py --config jobs/configs/k400_train.yaml --data.store /lustre/scratch/k400 \\
         --cluster mycluster --nodes 8 --gpus-per-node 4 --ntasks-per-node 4
-    sbatch jobs/train.py --config jobs/configs/demo_tiny.yaml
+    sbatch jobs/train.py --config jobs/configs/ucf101_train.yaml --data.store store/ucf101
     salloc -n 2; python jobs/train.py --config ...        # in the foreground, under srun
 
 A run resumes from its last complete checkpoint in --run-dir whenever it starts again.
@@ -19,9 +19,23 @@ A run resumes from its last complete checkpoint in --run-dir whenever it starts 
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -34,6 +48,7 @@ from clipforge.jobs import config
 from clipforge.models.checkpointing import CheckpointError
 from clipforge.models.settings import TrainSettings, check_settings
 from clipforge.models.trainer import Trainer
+from clipforge.registry.repo import Ref, Registry
 from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.train")
@@ -62,6 +77,8 @@ def parse(argv: list[str] | None = None) -> Config:
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
     check_settings(cfg, cfg.resources.ntasks)
+    if cfg.model.registry_reference() is not None:
+        log.info("starting weights: %s", registry_version(cfg)[1])  # the version exists (one ls-remote)
     if cfg.elastic_min_nodes is not None and (cfg.parallel.layout != "plain" or cfg.parallel.zero_stage == 3):
         raise config.ConfigError(
             "--elastic-min-nodes: a restart on fewer nodes reshards ZeRO 0-2 data parallel only; a pipeline needs "
@@ -69,10 +86,38 @@ def check(cfg: Config) -> None:
         )
 
 
+def registry_version(cfg: Config) -> tuple[Registry, Ref]:
+    """The registry and the concrete version that ``--model.weights registry:NAME@REF`` names."""
+    remote = cfg.model.registry or os.environ.get("CLIPFORGE_REGISTRY")
+    if not remote:
+        raise config.ConfigError(
+            f"--model.weights {cfg.model.weights}: no registry to take it from; pass --model.registry PATH_OR_URL "
+            "or set CLIPFORGE_REGISTRY"
+        )
+    registry = Registry(remote)
+    return registry, registry.resolve(Ref.parse(cfg.model.registry_reference() or ""))
+
+
+def fetch_registry_weights(cfg: Config, folder: Path) -> Path:
+    """Rank 0: copy the registry version's files (weights verified by their sha256) into ``folder``, once."""
+    weights = folder / "model.safetensors"
+    if not weights.exists():
+        registry, ref = registry_version(cfg)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        registry.pull(ref, partial)
+        partial.rename(folder)
+        log.info("starting from registry version %s (%s), copied to %s", ref, cfg.model.weights, folder)
+    return weights
+
+
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank)
-    trainer = Trainer(cfg, max_requeues=cfg.launch.requeues(), elastic=cfg.elastic_min_nodes is not None)
+    fetch = functools.partial(fetch_registry_weights, cfg) if cfg.model.registry_reference() is not None else None
+    trainer = Trainer(
+        cfg, max_requeues=cfg.launch.requeues(), elastic=cfg.elastic_min_nodes is not None, fetch_weights=fetch
+    )
     if env.rank == 0:
         RunDir(cfg.run_dir).write_config(config.to_dict(cfg))
     try:

@@ -204,24 +204,62 @@ def create_model(
     return model
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Load safetensors weights strictly; ``.pt`` only through ``torch.load(weights_only=True)``."""
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Weights from safetensors; ``.pt`` only through ``torch.load(weights_only=True)``."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
-    elif path.suffix in (".pt", ".pth"):
+        return load_file(str(path))
+    if path.suffix in (".pt", ".pth"):
         import pickle
 
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             raise ModelError(
                 f"{path}: holds objects other than tensors, which are never unpickled; save it as .safetensors"
             ) from None
-    else:
-        raise ModelError(f"{path}: weights must be a .safetensors file (or .pt, loaded without unpickling code)")
+    raise ModelError(f"{path}: weights must be a .safetensors file (or .pt, loaded without unpickling code)")
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load weights strictly: every tensor of the model, of its shape."""
+    _load(model, read_weights(path), path)
+
+
+def start_from(model: nn.Sequential, path: Path) -> list[str]:
+    """Load a run's starting weights; a classifier of another shape (other classes) keeps its initialisation.
+
+    Fine-tuning a model trained on one label set for another changes only the last layer's output
+    size. Training at another frame size changes the position table: a learned one is resampled over
+    this model's grid, a computed one (sin-cos) is this model's own. Every other tensor must fit.
+    Returns the names of the classifier's tensors left at initialisation.
+    """
+    state, own = read_weights(path), model.state_dict()
+    learned = {name for name, _ in model.named_parameters()}
+    head = f"{len(model) - 1}."
+    other = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    fresh = [k for k in other if k.startswith(head) and k in learned]
+    for key in other:
+        if key in fresh or key not in learned:
+            state[key] = own[key]
+        elif key == "0.position" and isinstance(model[0], videovit.Embedding):
+            fitted = videovit.fit_positions(state[key], model[0].cfg.grid)  # trained at another frame size
+            if fitted is not None:
+                state[key] = fitted
+    _load(model, state, path)
+    return fresh
+
+
+def _load(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    own = model.state_dict()
+    wrong = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    if wrong:
+        k = wrong[0]
+        raise ModelError(
+            f"{path} does not fit the model: {k} is {tuple(state[k].shape)} there and {tuple(own[k].shape)} here"
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelError(f"{path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

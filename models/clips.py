@@ -1,7 +1,10 @@
-"""Crops and flips of uint8 clip batches ``[B, T, H, W, 3]``, wherever they are (CPU or the device)."""
+"""Crops, flips, mixup and CutMix of clip batches ``[B, T, H, W, 3]``, wherever they are (CPU or the device)."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -32,3 +35,40 @@ def random_crop_flip(clips: torch.Tensor, crop: int | None, flip: bool, generato
             clip = clip.flip(2)
         out.append(clip)
     return torch.stack(out).contiguous()
+
+
+def mix_batch(
+    clips: torch.Tensor,
+    labels: torch.Tensor,
+    classes: int,
+    mixup: float,
+    cutmix: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixup or CutMix of a micro-batch with itself reversed: float clips and soft targets ``[B, classes]``.
+
+    Mixup blends whole clips by ``lam ~ Beta(mixup, mixup)``; CutMix pastes one box, the same in every
+    frame, of area share ``1 - lam`` with ``lam ~ Beta(cutmix, cutmix)``, and weighs the labels by the
+    area actually pasted. With both on, each micro-batch uses one of them, evenly (as timm's Mixup does).
+    Every draw comes from ``generator``, so a resumed run mixes its batches the same way.
+    """
+    targets = torch.nn.functional.one_hot(labels.long(), classes).float()
+    if not (mixup or cutmix):
+        return clips, targets
+    rng = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    use_cutmix = bool(cutmix) and (not mixup or rng.random() < 0.5)
+    lam = float(rng.beta(cutmix, cutmix) if use_cutmix else rng.beta(mixup, mixup))
+    other = clips.flip(0)
+    if use_cutmix:
+        _, _, h, w, _ = clips.shape
+        cut_h, cut_w = int(h * math.sqrt(1 - lam)), int(w * math.sqrt(1 - lam))
+        cy, cx = int(rng.integers(h)), int(rng.integers(w))
+        top, bottom = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, h)
+        left, right = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, w)
+        mixed = clips.clone()
+        mixed[:, :, top:bottom, left:right] = other[:, :, top:bottom, left:right]
+        lam = 1 - (bottom - top) * (right - left) / (h * w)
+        mixed = mixed.float()
+    else:
+        mixed = clips.float() * lam + other.float() * (1 - lam)
+    return mixed, targets * lam + targets.flip(0) * (1 - lam)

@@ -9,16 +9,19 @@ be evaluated while training, and the consolidated fp32 weights at the end.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from .builders import load_weights
+from .builders import start_from
 from .evaluation import evaluate_model
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
@@ -51,7 +54,13 @@ class PlainLayout:
     def module(self, t: Trainer) -> torch.nn.Module:
         model = t.arch.build(seed=t.settings.seed)
         if t.settings.model.weights is not None:
-            load_weights(model, t.settings.model.weights)
+            fresh = start_from(model, t.settings.model.weights)
+            if fresh and t.dist.is_main:
+                log.warning(
+                    "%s: classifier %s of another shape (other classes): trained from scratch",
+                    t.settings.model.weights,
+                    ", ".join(fresh),
+                )
         return _Checkpointed(model) if t.settings.parallel.activation_checkpointing else model
 
     def data_parallel_rank(self, t: Trainer) -> int:

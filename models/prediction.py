@@ -28,6 +28,10 @@ from .evaluation import softmax
 log = logging.getLogger(__name__)
 
 
+class PredictionError(UserError):
+    """Some videos of a prediction job could not be classified (the others were)."""
+
+
 class ManifestError(UserError):
     """A manifest of videos that cannot be read; the message names the file."""
 
@@ -62,6 +66,10 @@ class PredictionLog:
     def done(self) -> set[str]:
         """The videos that already have a line, in the output or in any rank's part file."""
         return {record["video"] for record in self._records([self.out, *self._part_files()])}
+
+    def failed(self) -> set[str]:
+        """The videos whose line says they could not be classified."""
+        return {r["video"] for r in self._records([self.out, *self._part_files()]) if r.get("error") is not None}
 
     def append(self, record: dict[str, Any]) -> None:
         """One video's line, flushed at once (a kill loses at most this line)."""

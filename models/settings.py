@@ -9,6 +9,7 @@ split) in one line, before a job waits in the queue.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +40,15 @@ class ModelSettings:
     drop_path: float | None = None
     """Stochastic depth rate (videovit-* only)."""
     weights: Path | None = None
-    """Start from these weights (a local .safetensors file)."""
+    """Start from these weights: a local .safetensors file, or a registry version as registry:NAME@VERSION_OR_ALIAS
+    (fine-tuning on other classes: a classifier of another shape is left at its initialisation)."""
+    registry: str | None = None
+    """The registry remote for registry: weights (a bare repository path or a URL); default $CLIPFORGE_REGISTRY."""
+
+    def registry_reference(self) -> str | None:
+        """``NAME@REF`` when the weights name a registry version, else None."""
+        text = None if self.weights is None else str(self.weights)
+        return text[len(REGISTRY_PREFIX) :] if text is not None and text.startswith(REGISTRY_PREFIX) else None
 
     def overrides(self) -> dict[str, Any]:
         keys = ("depth", "tubelet", "attention", "pool", "drop_path")
@@ -71,6 +80,11 @@ class DataSettings:
     than a reader keeps open, 64). Either way the clips of a step are a function of (seed, step)."""
     shuffle_window: int = 1024
     """Clips per shuffle window with shuffle=shards (the mixing of a shuffle buffer of that size)."""
+    mixup: float = 0.0
+    """Mixup: blend each clip with another of its batch, labels alike, by a weight from Beta(mixup, mixup); 0: off."""
+    cutmix: float = 0.0
+    """CutMix: paste a box of another clip of the batch (the same box in every frame), labels by area, the box's
+    share from Beta(cutmix, cutmix); 0: off. With mixup as well, each micro-batch uses one of the two, evenly."""
 
 
 @dataclasses.dataclass
@@ -87,6 +101,13 @@ class OptimSettings:
     """Final learning rate as a fraction of the peak."""
     clip_grad: float = 1.0
     """Gradient norm clipping (0: off)."""
+    warmup_epochs: float | None = None
+    """Linear warm-up over this many epochs of the train split instead of warmup_steps."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy (0: off; 0.1 in ViT, VideoMAE and MViT recipes)."""
+    layer_decay: float = 1.0
+    """Layer-wise learning-rate decay (videovit-*): layer i of the L layers (embedding, blocks, head) learns at
+    lr x layer_decay^(L-1-i), so the head gets the full rate; 1: off (VideoMAE fine-tunes ViT-B with 0.75)."""
 
     def deepspeed_optimizer(self, fused: bool = False) -> dict[str, Any]:
         """The optimizer section of the DeepSpeed config; ``fused``: torch's one-kernel AdamW (on a GPU)."""
@@ -116,6 +137,9 @@ class TrainSettings:
     """Where config, metrics, checkpoints, plots and final weights go (a shared filesystem on a cluster)."""
     steps: int = 200
     """Optimizer steps."""
+    epochs: float | None = None
+    """Train for this many passes over the train split instead of a number of steps: steps becomes
+    ceil(epochs x clips / global batch), worked out before the job is submitted."""
     batch_per_rank: int = 8
     """Clips per rank per micro-batch."""
     grad_accum: int = 1
@@ -170,6 +194,38 @@ def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Archit
         )
     if s.data.shuffle_window < 1:
         raise TrainError(f"data.shuffle_window is {s.data.shuffle_window}; give a number of clips, at least 1")
+    _check_recipe_knobs(s)
+    global_batch = s.batch_per_rank * s.grad_accum * dp
+    if s.epochs is not None:
+        s.steps = math.ceil(s.epochs * len(train_set) / global_batch)
+    if s.optim.warmup_epochs is not None:
+        s.optim.warmup_steps = round(s.optim.warmup_epochs * len(train_set) / global_batch)
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
     return store, arch
+
+
+def _check_recipe_knobs(s: TrainSettings) -> None:
+    if s.epochs is not None and not s.epochs > 0:
+        raise TrainError(f"epochs is {s.epochs}; give a positive number of passes over the train split")
+    if s.optim.warmup_epochs is not None and s.optim.warmup_epochs < 0:
+        raise TrainError(f"optim.warmup_epochs is {s.optim.warmup_epochs}; give 0 or more")
+    if not 0 <= s.optim.label_smoothing < 1:
+        raise TrainError(f"optim.label_smoothing is {s.optim.label_smoothing}; give a value in [0, 1)")
+    if s.data.mixup < 0 or s.data.cutmix < 0:
+        raise TrainError("data.mixup and data.cutmix are Beta parameters: give 0 (off) or a positive value")
+    if not 0 < s.optim.layer_decay <= 1:
+        raise TrainError(f"optim.layer_decay is {s.optim.layer_decay}; give a value in (0, 1], 1 for none")
+    if s.optim.layer_decay != 1 and not s.model.name.startswith("videovit"):
+        raise TrainError(
+            f"optim.layer_decay needs the layers of a videovit-* model; {s.model.name} is one opaque layer"
+        )
+    weights = s.model.weights
+    if weights is not None and s.parallel.layout == "pipeline":
+        raise TrainError("model.weights: starting weights load into the plain layout; drop --parallel.layout")
+    if weights is not None and not str(weights).startswith(REGISTRY_PREFIX) and not Path(weights).is_file():
+        raise TrainError(f"model.weights: {weights} is not a file; give a .safetensors file or registry:NAME@REF")
+
+
+REGISTRY_PREFIX = "registry:"
+"""``--model.weights registry:NAME@REF``: a registry version, fetched by the job (the train job composes the rooms)."""

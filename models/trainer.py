@@ -23,7 +23,8 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from clipforge.hpc.accelerator import peak
 from clipforge.hpc.distenv import DistEnv, collective_device, setup_distributed, task_device
+from clipforge.hpc.errors import UserError
 from clipforge.hpc.lock import WriterBusy, WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.requeue import Preemption
@@ -41,7 +43,7 @@ from clipforge.rundir import CheckpointIndex, RunDir, RunRecord
 
 from .builders import Architecture
 from .checkpointing import Checkpointer
-from .clips import random_crop_flip
+from .clips import mix_batch, random_crop_flip
 from .evaluation import evaluate_on_ranks
 from .layout import LAYOUTS, EngineLayout
 from .parallel import deepspeed_config
@@ -71,14 +73,31 @@ class Trainer:
     throughput: Throughput
     step: int
 
-    def __init__(self, settings: TrainSettings, max_requeues: int = 3, elastic: bool = False) -> None:
+    def __init__(
+        self,
+        settings: TrainSettings,
+        max_requeues: int = 3,
+        elastic: bool = False,
+        fetch_weights: Callable[[Path], Path] | None = None,
+    ) -> None:
         self.settings = settings
         self.max_requeues = max_requeues
         self.elastic = elastic
+        self.fetch_weights = fetch_weights
+        """Rank 0 copies the starting weights into the folder it is given and returns their file (registry weights)."""
         """Whether a resume may find another number of data-parallel ranks than the checkpoint's writers."""
         self._reshard_from: str | None = None
         self.dist = setup_distributed()
+        asked = settings.steps
         self.store, self.arch = check_settings(settings, self.dist.world_size)
+        if settings.epochs is not None and self.dist.is_main:
+            log.info(
+                "%g epochs of the %r split: %d steps (not %d)",
+                settings.epochs,
+                settings.data.train_split,
+                settings.steps,
+                asked,
+            )
         self.train_set = ClipDataset(self.store, settings.data.train_split, encoded=settings.data.decode == "device")
         self.eval_set = ClipDataset(self.store, settings.data.eval_split)
         self.run = RunDir(settings.run_dir)
@@ -121,8 +140,8 @@ class Trainer:
             load_universal=self._reshard_from is not None,
         )
         model = self.layout.module(self)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+        groups = parameter_groups(model, len(self.arch.layers), s.optim.lr, s.optim.layer_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         if s.compile:
             self.engine.compile()
         self.dp_rank = self.layout.data_parallel_rank(self)
@@ -192,6 +211,24 @@ class Trainer:
         if s.parallel.zero_stage > 0:
             self._reshard_from = newest  # ZeRO's optimizer partitions are cut per rank: reshard them
 
+    def _fetch_start_weights(self) -> None:
+        """Rank 0 copies registry weights into the run directory, once; every rank then starts from that file.
+
+        A run that resumes from a checkpoint needs no starting weights and fetches nothing.
+        """
+        if self.fetch_weights is None or next(iter(self.checkpoints.complete()), None) is not None:
+            return
+        found: list[Any] = [None]
+        if self.dist.is_main:
+            try:
+                found = [str(self.fetch_weights(self.run.start_weights))]
+            except UserError as exc:
+                found = [TrainError(str(exc))]
+        torch.distributed.broadcast_object_list(found, src=0, device=collective_device())
+        if isinstance(found[0], Exception):
+            raise found[0]
+        self.settings.model.weights = Path(found[0])
+
     def _universal_checkpoint(self) -> str | None:
         """Convert the checkpoint to resume from into DeepSpeed's universal form (rank 0; the others wait)."""
         if self._reshard_from is None:
@@ -223,8 +260,12 @@ class Trainer:
         return False
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy against class indices, or against soft targets ``[B, classes]`` (mixup, CutMix)."""
         weight = self.class_weights.to(logits.device) if self.class_weights is not None else None
-        return F.cross_entropy(logits.float(), labels.long(), weight=weight)
+        target = labels.float() if labels.is_floating_point() else labels.long()
+        return F.cross_entropy(
+            logits.float(), target, weight=weight, label_smoothing=self.settings.optim.label_smoothing
+        )
 
     # -- data --------------------------------------------------------------------------
     def _batches(self, first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -251,7 +292,10 @@ class Trainer:
             clips, labels = clips.to(self.device, non_blocking=cuda), labels.to(self.device, non_blocking=cuda)
             # Seeded by data-parallel rank: the stages of one pipeline must crop their shared batch alike.
             g = torch.Generator().manual_seed(hash((s.seed, step, micro, self.dp_rank)) % (2**63))
-            yield random_crop_flip(clips, s.data.crop, s.data.flip, g), labels
+            clips = random_crop_flip(clips, s.data.crop, s.data.flip, g)
+            if s.data.mixup or s.data.cutmix:
+                clips, labels = mix_batch(clips, labels, len(self.store.classes), s.data.mixup, s.data.cutmix, g)
+            yield clips, labels
 
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -307,6 +351,7 @@ class Trainer:
         s = self.settings
         self.run.prepare()
         self._fit_to_checkpoint()
+        self._fetch_start_weights()
         self._build_engine()
         preemption = Preemption(self.max_requeues)
         self.step = self.checkpointer.resume(self._universal_tag)
@@ -337,7 +382,7 @@ class Trainer:
         return self._finish(writer)
 
     def _lr(self) -> float:
-        return float(self.engine.get_lr()[0])
+        return float(max(self.engine.get_lr()))  # the head's, with layer-wise decay
 
     def _peak_memory_gib(self) -> float:
         """The most GPU memory this rank's tensors held (on CPUs: the process's peak resident size)."""
@@ -441,3 +486,19 @@ class Trainer:
             )
         torch.distributed.barrier()
         return result
+
+
+def parameter_groups(model: torch.nn.Module, layers: int, lr: float, decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in optimizer groups: one per layer with layer-wise learning-rate decay.
+
+    Parameters are named by their layer's index (``3.attn.qkv.weight``), in a plain model and in a
+    pipeline stage alike; layer ``i`` of ``layers`` learns at ``lr x decay^(layers - 1 - i)``, as in
+    BEiT and VideoMAE. DeepSpeed's warm-up and cosine schedule scale each group's own rate.
+    """
+    if decay == 1.0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    by_layer: dict[int, list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            by_layer.setdefault(int(name.split(".")[0]), []).append(param)
+    return [{"params": params, "lr": lr * decay ** (layers - 1 - i)} for i, params in sorted(by_layer.items())]

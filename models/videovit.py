@@ -9,6 +9,7 @@ tokens (ViViT's "joint", VideoMAE) or divided, time then space (TimeSformer).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
@@ -88,10 +89,28 @@ class Embedding(nn.Module):
         if grid == self.cfg.grid:
             return self.position
         # Another input size than the training one: interpolate the position table over the new grid.
-        d = self.cfg.width
-        table = self.position.reshape(1, *self.cfg.grid, d).permute(0, 4, 1, 2, 3)
-        table = F.interpolate(table, size=grid, mode="trilinear", align_corners=False)
-        return table.permute(0, 2, 3, 4, 1).reshape(1, -1, d)
+        return interpolate_positions(self.position, self.cfg.grid, grid)
+
+
+def interpolate_positions(table: torch.Tensor, grid: tuple[int, ...], new_grid: tuple[int, ...]) -> torch.Tensor:
+    """A position table ``[1, t*h*w, D]`` over ``grid``, trilinearly resampled over ``new_grid``."""
+    d = table.shape[-1]
+    table = table.reshape(1, *grid, d).permute(0, 4, 1, 2, 3)
+    table = F.interpolate(table, size=tuple(new_grid), mode="trilinear", align_corners=False)
+    return table.permute(0, 2, 3, 4, 1).reshape(1, -1, d)
+
+
+def fit_positions(table: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor | None:
+    """A learned position table from training at another frame size, resampled over ``grid``.
+
+    The table does not record its grid: as VideoMAE does when it fine-tunes at another resolution,
+    it is taken to have the same time steps and square frames. None when its length does not fit that.
+    """
+    t = grid[0]
+    side = round(math.sqrt(table.shape[1] / t))
+    if t * side * side != table.shape[1]:
+        return None
+    return interpolate_positions(table, (t, side, side), grid)
 
 
 def sincos_3d(grid: tuple[int, int, int], width: int) -> torch.Tensor:

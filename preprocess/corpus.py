@@ -121,6 +121,38 @@ def scan(source: Path, ratios: SplitRatios = SplitRatios()) -> Corpus:
     return assemble(listing, check_paths(listing.root, [rel for rel, _, _ in listing.entries]), ratios)
 
 
+def probe_corpus(source: Path, paths: int = 5) -> None:
+    """Refuse, in seconds, a corpus that cannot be packed: missing, empty, or a manifest that fails to parse
+    or whose first ``paths`` entries all cannot be packed. A tree is read only until its first video.
+    """
+    source = Path(source)
+    if source.is_dir():
+        classes = 0
+        with os.scandir(source) as top:
+            for entry in sorted(top, key=lambda e: e.name):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                classes += 1
+                with os.scandir(entry.path) as inside:
+                    if any(Path(f.name).suffix.lower() in VIDEO_EXTENSIONS for f in inside):
+                        return
+        where = f"its {classes} class folders" if classes else "it (it has no class folders)"
+        raise CorpusError(
+            f"{source}: no videos in {where}; a corpus folder is laid out as <root>/<class>/<video> "
+            f"(extensions taken: {', '.join(sorted(VIDEO_EXTENSIONS))}), or give a .csv/.jsonl manifest"
+        )
+    listing = list_corpus(source)  # a missing path or a manifest that does not parse says so here
+    if not listing.entries:
+        raise CorpusError(f"{source}: the manifest lists no videos; add lines of path,label[,split]")
+    first = [rel for rel, _, _ in listing.entries[:paths]]
+    checks = check_paths(listing.root, first)
+    if all(c.problem for c in checks):
+        raise CorpusError(
+            f"{source}: none of its first {len(first)} videos can be packed ({first[0]}: {checks[0].problem}); "
+            f"manifest paths are relative to the manifest's folder {listing.root.resolve()}"
+        )
+
+
 def list_corpus(source: Path) -> Listing:
     """Walk the tree (directory reads only, no stat per file) or parse the manifest."""
     source = Path(source)

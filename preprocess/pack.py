@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,15 @@ from clipforge.hpc.errors import UserError
 from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
+from clipforge.hpc.mpi import mpi
 
-from .corpus import Corpus, Listing, SplitRatios, assemble, check_paths, list_corpus
+from .corpus import Corpus, Listing, SplitRatios, assemble, check_paths, list_corpus, probe_corpus
 from .decode import ClipParams, VideoError, decode_clips
 from .store import (
     Codec,
     ShardWriter,
     StoreError,
+    check_params,
     committed_markers,
     remove_store,
     write_errors,
@@ -113,6 +116,30 @@ class PackError(UserError):
     """Packing cannot start as asked; the message names the input."""
 
 
+def preflight(source: Path, out: Path, params: ClipParams, options: PackOptions) -> None:
+    """What the submitter checks before a packing job waits in a queue: parameters, corpus, output directory.
+
+    Seconds, not a corpus walk: a tree is read until its first video and a manifest's first
+    paths are looked at. Each problem is one :class:`UserError` line.
+    """
+    params.check()
+    if options.max_shard_clips < 1:
+        raise PackError(f"--max-shard-clips is {options.max_shard_clips}; give a number of clips, at least 1")
+    if not 1 <= options.jpeg_quality <= 100:
+        raise PackError(f"--jpeg-quality is {options.jpeg_quality}; give a JPEG quality from 1 to 100")
+    probe_corpus(source)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PackError(f"--out {out} is a file; give a directory for the clip store")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PackError(f"--out {out}: {existing} is not writable by you; choose a directory you can write")
+    if out.is_dir():
+        if not options.overwrite:
+            check_params(out, store_params(params, options))
+        WriterLock(out, "clip store").check_free()
+
+
 def store_params(params: ClipParams, options: PackOptions) -> dict[str, Any]:
     """Everything that decides a store's bytes: a rerun with other values refuses to mix them in."""
     return {**dataclasses.asdict(params), "codec": options.codec, "jpeg_quality": options.jpeg_quality}
@@ -130,7 +157,7 @@ def pack_corpus(
 
     Returns the summary on rank 0 and None elsewhere.
     """
-    from mpi4py import MPI
+    MPI = mpi()
 
     comm = comm or MPI.COMM_WORLD
     started = time.time()
@@ -372,7 +399,7 @@ class _WorkList:
     """
 
     def __init__(self, comm, items: list[tuple[int, int, str]] | None) -> None:
-        from mpi4py import MPI
+        MPI = mpi()
 
         self.MPI = MPI
         root = comm.rank == 0
@@ -416,7 +443,7 @@ class _Counters:
     """Shared counters in rank 0's memory, updated with one-sided atomics."""
 
     def __init__(self, comm, first_shard: int) -> None:
-        from mpi4py import MPI
+        MPI = mpi()
 
         self.MPI = MPI
         self.win = MPI.Win.Allocate(5 * 8 if comm.rank == 0 else 0, 8, comm=comm)

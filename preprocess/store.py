@@ -235,17 +235,26 @@ def write_params(store: Path, params: dict[str, Any], overwrite: bool) -> None:
     """Record the parameters before anything is written; refuse to mix parameters in one store."""
     path = Path(store) / "params.json"
     if path.exists():
-        old = json.loads(path.read_text())
-        if old != params and not overwrite:
-            changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
-            raise StoreError(
-                f"{store} was packed with other parameters ({', '.join(changed)} differ); "
-                "pack into a new directory, or pass --overwrite to rebuild it"
-            )
-        if old != params:
+        if not overwrite:
+            check_params(store, params)
+        if json.loads(path.read_text()) != params:
             remove_store(store)
     Path(store).mkdir(parents=True, exist_ok=True)
     write_json(path, params, sort_keys=True)
+
+
+def check_params(store: Path, params: dict[str, Any]) -> None:
+    """Refuse to pack ``params`` into a store that was packed with others."""
+    path = Path(store) / "params.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    if old != params:
+        changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+        raise StoreError(
+            f"{store} was packed with other parameters ({', '.join(changed)} differ); "
+            "pack into a new directory, or pass --overwrite to rebuild it"
+        )
 
 
 def remove_store(store: Path) -> None:

@@ -76,6 +76,11 @@ class RunDir:
         """The consolidated weights of a finished run."""
         return self.root / FINAL / WEIGHTS
 
+    @property
+    def start_weights(self) -> Path:
+        """Where the weights a run starts from are copied when they come from elsewhere (a registry version)."""
+        return self.root / "start"
+
     def server_checkpoint(self, rank: int) -> Path:
         """Where parameter server ``rank`` keeps its shard and optimizer state."""
         folder = self.root / "ps"

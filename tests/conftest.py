@@ -155,8 +155,6 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
     )
-    # Open MPI's UCX one-sided component prints a harmless error on machines without UCX devices.
-    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 
 @pytest.fixture(scope="session")

@@ -30,11 +30,11 @@ def cropped_run(mpiexec, tiny_store: Path, tmp_path_factory: pytest.TempPathFact
     return run
 
 
-def job(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def job(module: str, *args: str, timeout: int = 300, code: int = 0) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", f"clipforge.jobs.{module}", *args], capture_output=True, text=True, timeout=timeout
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == code, result.stderr[-3000:]
     return result
 
 
@@ -147,16 +147,22 @@ def test_batch_prediction_killed_midway_resumes_and_writes_each_video_once(
     before = part.read_text().count("\n")
     with open(part, "a") as f:
         f.write('{"video": "cut short by the kil')  # the line a kill interrupts
-    result = job("predict", *argv, "--executor", "local", "--ntasks-per-node", "2")
+    result = job("predict", *argv, "--executor", "local", "--ntasks-per-node", "2", code=2)
     assert f"{before} of {len(wanted)} videos already predicted" in result.stderr
+    # The submitter prints the job's own reason, then where its log is.
+    reason = result.stderr.strip().splitlines()[-1]
+    assert reason.startswith("clipforge: error: job ") and "failed: 2 of " in reason, result.stderr[-2000:]
+    assert f"2 of {len(wanted)} videos could not be classified (their lines in {out} say why)" in reason
+    assert "full log: " in reason
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["video"] for line in lines) == sorted(wanted)  # each once, none lost, none twice
     errors = {line["video"]: line["error"] for line in lines if "error" in line}
     assert set(errors) == {str(tmp_path / "videos" / "missing.mp4"), str(tmp_path / "videos" / "broken.mp4")}
     assert all(len(line["top"]) == 2 and line["views"] == 4 for line in lines if "top" in line)
     assert not part.parent.exists()
-    # A rerun finds everything done and changes nothing.
-    job("predict", *argv, "--executor", "debug")
+    # A rerun finds everything done and changes nothing, and still says that two videos failed.
+    rerun = job("predict", *argv, "--executor", "debug", code=2)
+    assert f"2 of {len(wanted)} videos could not be classified" in rerun.stderr.strip().splitlines()[-1]
     assert out.read_text().count("\n") == len(wanted)
 
 
@@ -187,7 +193,8 @@ def test_sbatch_of_predict_spreads_a_manifest_over_two_slurm_tasks(
         timeout=300,
     )
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-    assert result.returncode == 0, result.stderr + log[-3000:]
+    assert result.returncode != 0, result.stderr + log[-3000:]  # two of the videos cannot be classified
+    assert "clipforge: error: 2 of " in log and "Traceback" not in log, log[-3000:]
     assert "re-launching under srun with 2 tasks" in log and "[rank 1] INFO clipforge.predict: " in log
     wanted = [line for line in manifest.read_text().splitlines() if not line.startswith("#")]
     assert sorted(json.loads(line)["video"] for line in out.read_text().splitlines()) == sorted(wanted)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from clipforge.hpc.mpi import mca_settings
 
 WORLD = "from mpi4py import MPI; print('world', MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), flush=True)"
 CHECKED = (
@@ -41,3 +44,14 @@ def test_srun_without_pmi_is_detected_instead_of_running_separate_worlds(slurm) 
     )
     assert result.returncode != 0
     assert "Slurm started 2 tasks but MPI sees a world of 1" in result.stderr
+
+
+def test_osc_ucx_is_left_out_only_on_hosts_without_rdma_devices(tmp_path: Path) -> None:
+    # The kernel's device list is a folder; an InfiniBand adapter cannot be added to this host, so a copy stands in.
+    devices = tmp_path / "infiniband"
+    devices.mkdir()
+    assert mca_settings(devices, environ={}) == {"OMPI_MCA_osc": "^ucx"}
+    assert mca_settings(tmp_path / "absent", environ={}) == {"OMPI_MCA_osc": "^ucx"}
+    (devices / "mlx5_0").mkdir()
+    assert mca_settings(devices, environ={}) == {}  # InfiniBand or RoCE: UCX's one-sided path stays
+    assert mca_settings(tmp_path / "absent", environ={"OMPI_MCA_osc": "ucx"}) == {}  # the user's choice stands

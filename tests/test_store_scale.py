@@ -177,7 +177,8 @@ def test_locality_aware_sampling_opens_each_shard_about_once_where_a_global_shuf
 SHARED_PLAN = """
 import json, sys
 from pathlib import Path
-from mpi4py import MPI
+from clipforge.hpc.mpi import mpi
+MPI = mpi()
 from clipforge.preprocess import pack
 from clipforge.preprocess.corpus import SplitRatios
 from clipforge.preprocess.decode import ClipParams
