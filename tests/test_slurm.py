@@ -103,7 +103,9 @@ def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_
 
 def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=45, max_requeues=1)
+    # The signal is due as the job starts: slurmctld looks at time limits (and --signal) about every 30 s,
+    # and Slurm's shortest limit is a minute, so a later one only adds waiting to each of the two runs.
+    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=60, max_requeues=1)
     job = run_script(SELFTEST, limits + options(steps=100000, step_seconds=0.5, state_dir=state))
     with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
         job.results()

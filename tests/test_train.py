@@ -349,7 +349,7 @@ def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tin
         "--data.store",
         str(tiny_store),
         "--steps",
-        "150",
+        "80",
         "--eval-every",
         "1000",
         "--parallel.zero-stage",
@@ -369,8 +369,8 @@ def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tin
     result = job.results()[0]
     log = Path(str(job.paths.stderr)).read_text()
     assert "resumed from checkpoint step-000000" in log, log[-3000:]
-    assert result["step"] == 150
-    assert losses(run)[150] == losses(tmp_path / "reference")[150]
+    assert result["step"] == 80
+    assert losses(run)[80] == losses(tmp_path / "reference")[80]
 
 
 def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, tmp_path: Path) -> None:
