@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from clipforge.hpc.executor import make_executor, submit
+from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.profile import ProfileError, load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.preprocess import synthetic
@@ -56,12 +57,14 @@ def packing_mistakes(tmp: Path, corpus: Path, store: Path) -> dict[str, tuple[li
             [str(corpus), "--out", str(store), "--height", str(store_params["height"] * 2)],
             "was packed with other parameters (",
         ),
+        "store in use": ([str(corpus), "--out", str(tmp / "busy")], "this clip store is being written by process"),
     }
 
 
 def test_packing_mistakes_are_one_line_before_anything_is_submitted(
     tmp_path: Path, jobs_dir: Path, one_video: Path, clean_store: Path
 ) -> None:
+    busy = WriterLock(tmp_path / "busy", "clip store").acquire()  # another packing job, alive, on that store
     for name, (args, words) in packing_mistakes(tmp_path, one_video, clean_store).items():
         videos, *rest = args
         if "--out" not in rest:
@@ -72,6 +75,7 @@ def test_packing_mistakes_are_one_line_before_anything_is_submitted(
         assert lines[0].startswith("clipforge: error: ") and words in lines[0], f"{name}: {lines[0]}"
         assert not jobs_dir.exists(), f"{name}: a job was submitted"
         assert not (tmp_path / "store").exists(), f"{name}: the store was started"
+    busy.release()
 
 
 def test_a_failed_job_prints_its_own_reason_then_where_its_log_is(tmp_path: Path, jobs_dir: Path, one_video) -> None:

@@ -136,6 +136,7 @@ def main(cfg: Config) -> None:
         git(seed, "commit", "-qm", "lfs")
         git(seed, "push", "-q", "origin", "HEAD:main")
         rounds: dict[str, list[float]] = {k: [] for k in ("floor", "plain push", "push", "plain pull", "pull")}
+        steps: dict[str, list[float]] = {}
         for n in range(cfg.repeats):
             seconds = {}
             seconds["floor"], _ = timed(floor, weights, work / "copy.bin")
@@ -144,6 +145,8 @@ def main(cfg: Config) -> None:
             seconds["plain push"], _ = timed(plain_push, weights, plain, work, n)
             renew(weights, 2 * n + 1)
             seconds["push"], ref = timed(registry.push, run.root, "big")
+            for step, spent in registry.steps.items():
+                steps.setdefault(step, []).append(spent)
             seconds["plain pull"], _ = timed(plain_pull, plain, work, n)
             seconds["pull"], _ = timed(registry.pull, ref, work / f"pulled-{n}")
             shutil.rmtree(work / f"pulled-{n}")
@@ -176,6 +179,15 @@ def main(cfg: Config) -> None:
             b = ratio(key, peer) if peer else ""
             print(f"{name:<40} {statistics.median(rounds[key]):8.2f}  {a:>20}  {b:>20}  {goal}")
         print(f"{f'registry list ({count} versions)':<40} {listing:8.2f}  {'':>20}  {'':>20}  < 1 s")
+        print("\nwhere a registry push's time goes (medians; the floor's work is the sha256 and copy step)\n")
+        floor_s = statistics.median(rounds["floor"])
+        for step, spent in steps.items():
+            print(f"  {step:<58} {statistics.median(spent):6.2f} s  {statistics.median(spent) / floor_s:5.2f}x floor")
+        fixed = statistics.median([p - s for p, s in zip(rounds["push"], steps["sha256 and copy into the LFS store"])])
+        print(
+            f"  {'everything but the sha256 and copy':<58} {fixed:6.2f} s  {fixed / floor_s:5.2f}x floor: the git "
+            "processes of a versioned push"
+        )
 
 
 def _many_versions(registry: Registry, work: Path, n: int) -> None:
