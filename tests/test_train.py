@@ -519,3 +519,27 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
     with pytest.raises(UserError, match="tiny-start@v7 does not exist; tiny-start has versions v1"):
         train_job.check(cfg)
     assert registry.resolve(Ref.parse("tiny-start@production")) == Ref("tiny-start", version=1)
+
+
+def test_epochs_and_warm_up_epochs_become_steps_before_anything_runs(tiny_store: Path) -> None:
+    from clipforge.models.settings import check_settings
+
+    s = TrainSettings(epochs=2.5, batch_per_rank=4, grad_accum=2)
+    s.data.store, s.optim.warmup_epochs = tiny_store, 0.5
+    check_settings(s, world_size=2)
+    clips, global_batch = len(ClipDataset(tiny_store, "train")), 4 * 2 * 2
+    assert s.steps == -(-5 * clips // (2 * global_batch))  # ceil(2.5 epochs x clips / global batch)
+    assert s.optim.warmup_steps == round(0.5 * clips / global_batch)
+
+
+def test_label_smoothing_reaches_the_loss_for_labels_and_for_mixed_targets() -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(class_weights=None, settings=SimpleNamespace(optim=SimpleNamespace(label_smoothing=0.1)))
+    logits, labels = torch.randn(4, 6), torch.tensor([0, 3, 5, 1])
+    log_p = torch.log_softmax(logits, dim=1)
+    expected = (0.9 * -log_p[torch.arange(4), labels] + 0.1 * -log_p.mean(dim=1)).mean()
+    assert torch.allclose(Trainer.loss(trainer, logits, labels), expected)
+    mixed = 0.7 * torch.nn.functional.one_hot(labels, 6).float() + 0.3 * torch.nn.functional.one_hot(labels.flip(0), 6)
+    soft = (0.9 * mixed + 0.1 / 6) * -log_p
+    assert torch.allclose(Trainer.loss(trainer, logits, mixed), soft.sum(dim=1).mean())
