@@ -33,6 +33,11 @@ def jobs_root() -> Path:
     return Path(os.environ.get("CLIPFORGE_JOBS_DIR", home / "jobs"))
 
 
+def job_logs(folder: Path) -> list[Path]:
+    """The log files submitit writes into a job's folder: every task's stdout, then every task's stderr."""
+    return sorted(Path(folder).glob("*_log.out")) + sorted(Path(folder).glob("*_log.err"))
+
+
 def make_executor(
     resources: Resources,
     profile: ClusterProfile,

@@ -39,7 +39,7 @@ import submitit
 
 from .distenv import LaunchError
 from .errors import UserError
-from .executor import make_executor, submit
+from .executor import job_logs, make_executor, submit
 from .logs import ERROR_PREFIX, failure_reason, setup_logging
 from .mpi import mpiexec_command
 from .profile import ClusterProfile, load_profile
@@ -203,18 +203,10 @@ def submit_script(spec: JobSpec, argv: list[str], resources: Resources, launch: 
     return results[0] if len(results) == 1 else results
 
 
-def task_logs(job: submitit.Job) -> list:
-    """Every task's stderr then stdout log of a submitit job, task 0 first."""
-    from pathlib import Path
-
-    folder = Path(str(job.paths.folder))
-    return sorted(folder.glob(f"{job.job_id}_*_log.err")) + sorted(folder.glob(f"{job.job_id}_*_log.out"))
-
-
 def job_failure(job: submitit.Job, fallback: str = "") -> str:
     """``job N failed: <its own one-line reason>; full log: <path>``."""
     last = [line.strip() for line in fallback.splitlines() if line.strip()][-1:] or ["no reason in its log"]
-    reason = failure_reason(task_logs(job)) or last[0]
+    reason = failure_reason(job_logs(str(job.paths.folder))) or last[0]
     return f"job {job.job_id} failed: {reason}; full log: {job.paths.stderr}"
 
 

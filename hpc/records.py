@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .cluster import process_alive
 from .errors import UserError
-from .executor import RECORD, jobs_root
+from .executor import RECORD, job_logs, jobs_root
 from .files import write_json
 from .logs import failure_reason
 
@@ -43,7 +43,7 @@ class JobRecord:
 
     @property
     def logs(self) -> list[Path]:
-        return sorted(self.folder.glob("*_log.out")) + sorted(self.folder.glob("*_log.err"))
+        return job_logs(self.folder)
 
 
 def list_jobs(root: Path | None = None) -> list[JobRecord]:

@@ -268,8 +268,9 @@ def _jobs_logs(args: argparse.Namespace, rest: list[str]) -> int:
             if text[seen.get(path, 0) :]:
                 print(text[seen.get(path, 0) :], end="")
             seen[path] = len(text)
-        if not args.follow or records.find_job(args.job_id).state not in records.ACTIVE:
-            reason = records.failure(records.find_job(args.job_id))
+        now = records.find_job(args.job_id) if args.follow else r
+        if not args.follow or now.state not in records.ACTIVE:
+            reason = records.failure(now)
             if reason:
                 print(f"clipforge: job {args.job_id} failed: {reason}", file=sys.stderr)
             return 0

@@ -18,6 +18,7 @@ import tyro
 import yaml
 
 from clipforge.hpc.errors import UserError
+from clipforge.hpc.logs import ERROR_PREFIX
 
 T = TypeVar("T")
 
@@ -113,7 +114,7 @@ def guarded(main: Callable[[], Any]) -> Callable[[], int]:
         try:
             result = main()
         except UserError as exc:
-            print(f"clipforge: error: {exc}", file=sys.stderr)
+            print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("clipforge: interrupted", file=sys.stderr)

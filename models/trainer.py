@@ -83,9 +83,9 @@ class Trainer:
         self.settings = settings
         self.max_requeues = max_requeues
         self.elastic = elastic
+        """Whether a resume may find another number of data-parallel ranks than the checkpoint's writers."""
         self.fetch_weights = fetch_weights
         """Rank 0 copies the starting weights into the folder it is given and returns their file (registry weights)."""
-        """Whether a resume may find another number of data-parallel ranks than the checkpoint's writers."""
         self._reshard_from: str | None = None
         self.dist = setup_distributed()
         asked = settings.steps

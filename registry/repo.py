@@ -738,7 +738,7 @@ class Registry:
         """A throw-away clone with LFS smudging off: instant, and no weights downloaded.
 
         ``share_store`` (pushes): for a bare repository on a reachable filesystem, the clone's LFS store is the
-        remote's own, so ``git add`` hashes the weights and writes them once, straight into the registry, and
+        remote's own, so the weights are hashed and written once, straight into the registry, and
         the push finds them there instead of copying them a second time. A push that loses its race leaves
         its object there as an orphan, which ``gc`` removes.
         """
