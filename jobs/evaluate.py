@@ -34,6 +34,7 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -115,9 +116,11 @@ def main(cfg: Config) -> dict | None:
     mine = len(range(env.rank, len(videos), env.world_size))
     progress = Progress(mine, f"evaluating {cfg.split} ({views.label})", unit="video", enabled=env.is_main)
     forward = inference(model, device, cfg.precision)
+    started = time.perf_counter()  # after start-up: the process, the model and its weights are ready
     metrics = evaluate_videos_on_ranks(
         forward, videos, record.classes, record.crop, views, cfg.batch, device, cfg.workers, progress.update
     )
+    seconds = time.perf_counter() - started
     progress.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -125,12 +128,14 @@ def main(cfg: Config) -> dict | None:
         return None
     for failure in metrics["failures"]:
         log.warning("skipped %s", failure)
+    metrics.update(seconds=seconds, videos_per_s=metrics["videos"] / seconds, clips_per_s=metrics["clips"] / seconds)
     out = run.write_evaluation(cfg.split, metrics)
     m = metrics
     print(
         f"{cfg.split}: {m['videos']} videos, {m['clips']} views ({m['views']}); "
         f"clip top-1 {m['clip_top1']:.3f} top-5 {m['clip_top5']:.3f}; "
-        f"video top-1 {m['video_top1']:.3f} top-5 {m['video_top5']:.3f} ({out})"
+        f"video top-1 {m['video_top1']:.3f} top-5 {m['video_top5']:.3f}; "
+        f"{m['videos_per_s']:.1f} videos/s, {m['clips_per_s']:.1f} views/s after start-up ({out})"
     )
     return metrics
 

@@ -87,16 +87,30 @@ def score(
     batch: int,
     crop: int | None,
     device: torch.device | str = "cpu",
+    workers: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Logits and labels of the clips at ``positions`` of ``dataset``, ``batch`` at a time, centre-cropped."""
+    """Logits and labels of the clips at ``positions`` of ``dataset``, ``batch`` at a time, centre-cropped.
+
+    Clips come through a DataLoader (``workers`` processes, pinned memory on a GPU); the logits stay on
+    the device until the last batch, so the device never waits for the host between batches.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, list(positions)),
+        batch_size=batch,
+        num_workers=workers,
+        pin_memory=cuda,
+        prefetch_factor=4 if workers else None,
+    )
     logits, labels = [], []
-    for start in range(0, len(positions), batch):
-        items = [dataset[i] for i in positions[start : start + batch]]
-        clips = center_crop(torch.stack([c for c, _ in items]).to(device), crop)
-        logits.append(forward(clips.contiguous()).float().cpu())
-        labels.extend(y for _, y in items)
-    scores = torch.cat(logits).numpy() if logits else np.zeros((0, len(dataset.classes)))
-    return scores, np.array(labels, np.int64)
+    for clips, targets in loader:
+        clips = center_crop(clips.to(device, non_blocking=cuda), crop)
+        logits.append(forward(clips.contiguous()).float())
+        labels.append(targets)
+    if not logits:
+        return np.zeros((0, len(dataset.classes))), np.zeros(0, np.int64)
+    return torch.cat(logits).cpu().numpy(), torch.cat(labels).numpy().astype(np.int64)
 
 
 @torch.no_grad()
@@ -117,10 +131,11 @@ def evaluate_on_ranks(
     rank: int,
     world_size: int,
     device: torch.device | str = "cpu",
+    workers: int = 0,
 ) -> dict[str, Any]:
     """Accuracy on a split, every rank scoring its share of the clips; every rank gets the metrics."""
     mine = np.arange(rank, len(dataset), world_size)
-    logits, labels = score(forward, dataset, mine, batch, crop, device)
+    logits, labels = score(forward, dataset, mine, batch, crop, device, workers)
     gathered: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(gathered, (logits, labels, mine))
     all_logits, all_labels, order = (np.concatenate([g[k] for g in gathered]) for k in range(3))

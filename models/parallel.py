@@ -81,8 +81,13 @@ def deepspeed_config(
     clip_grad: float,
     has_batchnorm: bool,
     load_universal: bool = False,
+    bf16_autocast: bool = False,
 ) -> dict[str, Any]:
-    """The DeepSpeed config for one run, from the run's own settings."""
+    """The DeepSpeed config for one run, from the run's own settings.
+
+    ``bf16_autocast``: bf16 as fp32 weights under ``torch.autocast`` (DeepSpeed's ``torch_autocast``)
+    rather than bf16 weights with fp32 masters.
+    """
     if batch_per_rank < 1 or grad_accum < 1:
         raise ParallelError(f"batch_per_rank ({batch_per_rank}) and grad_accum ({grad_accum}) must be at least 1")
     dp = parallel.data_parallel(world_size)
@@ -98,7 +103,9 @@ def deepspeed_config(
     }
     if scheduler is not None:
         config["scheduler"] = scheduler
-    if precision == "bf16":
+    if precision == "bf16" and bf16_autocast:
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision == "bf16":
         config["bf16"] = {"enabled": True}
         if has_batchnorm:
             # BatchNorm running statistics must follow the parameters' dtype, or the forward fails.

@@ -156,8 +156,17 @@ class TrainSettings:
     """Log a progress line every N steps."""
     seed: int = 0
     """Seed of sampling, augmentation and initialisation."""
-    compile: bool = False
-    """Compile the model with torch.compile (through DeepSpeed's engine.compile); the first steps are slower."""
+    bf16_mode: Literal["auto", "autocast", "weights"] = "auto"
+    """With --precision bf16: autocast (fp32 weights under torch.autocast, the fastest step), weights (bf16 weights
+    with fp32 masters, half the memory), or auto: weights for ZeRO-3, offload, pipelines and models of 300 M
+    parameters and more, autocast otherwise."""
+    compile: bool | None = None
+    """Compile the model with torch.compile (through DeepSpeed's engine.compile); default: on a GPU, not on CPUs.
+    The first steps are slower; a graph that fails to compile runs eagerly."""
+    deterministic: bool = False
+    """Deterministic kernels only (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, the deterministic
+    flash-attention backward): a resumed run then repeats an uninterrupted one bit for bit on a GPU as on CPUs,
+    at some cost in speed."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
     optim: OptimSettings = dataclasses.field(default_factory=OptimSettings)

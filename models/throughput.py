@@ -3,8 +3,9 @@
 The meter times the loop from outside. :meth:`Throughput.timed` wraps the
 loader's iterator and adds up the time the loop spends blocked in it: the
 share of step time the accelerator had nothing to do because the input
-pipeline was behind. Each step ends with the loss read on the host, so wall
-time per step is the accelerator's time too.
+pipeline was behind. The loop does not wait for the device step by step; it
+synchronises at the edges of its log windows and tells the meter how many
+steps ended there (:meth:`steps_done`), so wall time is the accelerator's time.
 
 The first step (allocator warm-up, kernel selection, compilation) counts in
 the windows the log prints but not in :meth:`summary`, the run's steady rate.
@@ -45,15 +46,21 @@ class Throughput:
             self.waited += time.perf_counter() - start
             yield item
 
-    def step_done(self) -> None:
-        """Call after each optimizer step."""
+    def steps_done(self, n: int) -> None:
+        """``n`` more optimizer steps have finished on the device (the caller has synchronised with it).
+
+        The steady rate starts after the first call: make it for the run's first step alone.
+        """
+        if n <= 0:
+            return
         now, waited = time.perf_counter(), self.waited
-        self.steps += 1
-        self.window.add(now, waited)
-        if self.steps > 1:
-            self.steady.add(now, waited)
-        elif self.steps == 1:
+        first = self.steps == 0
+        self.steps += n
+        self.window.add(now, waited, n)
+        if first:
             self.steady.start(now, waited)
+        else:
+            self.steady.add(now, waited, n)
 
     def start(self) -> None:
         now = time.perf_counter()
@@ -96,6 +103,6 @@ class _Span:
         self.steps, self.elapsed, self.waited = 0, 0.0, 0.0
         self._t0, self._w0 = now, waited
 
-    def add(self, now: float, waited: float) -> None:
-        self.steps += 1
+    def add(self, now: float, waited: float, steps: int = 1) -> None:
+        self.steps += steps
         self.elapsed, self.waited = now - self._t0, waited - self._w0

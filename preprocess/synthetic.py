@@ -165,11 +165,12 @@ def write_store(
     clips_per_video: int = 2,
     val_every: int = 4,
     seed: int = 0,
+    codec: str = "raw",
 ) -> Path:
-    """A clip store of rendered videos, written directly (no encoding, no MPI): for checks on a bare machine.
+    """A clip store of rendered videos, written directly (no video encoding, no MPI): for checks on a bare machine.
 
     Every ``val_every``-th video of a class and its last go to ``val``, the rest to ``train``. There are no
-    source files: the store's clips are all there is to evaluate.
+    source files: the store's clips are all there is to evaluate. ``codec``: raw frames or jpeg.
     """
     from .decode import ClipParams, VideoClips
     from .store import ShardWriter, write_index, write_params, write_videos
@@ -177,8 +178,8 @@ def write_store(
     params = ClipParams(
         clip_frames=clip_frames, frame_stride=1, clips_per_video=clips_per_video, height=size, width=size
     )
-    write_params(out, {**dataclasses.asdict(params), "codec": "raw", "jpeg_quality": 90}, overwrite=True)
-    writer = ShardWriter(out, 0, (clip_frames, size, size), "raw")
+    write_params(out, {**dataclasses.asdict(params), "codec": codec, "jpeg_quality": 90}, overwrite=True)
+    writer = ShardWriter(out, 0, (clip_frames, size, size), codec)
     rng = np.random.default_rng(seed)
     videos = []
     frames = clip_frames * (clips_per_video + 1)

@@ -1,10 +1,12 @@
 """The checkpoint index of a run: which checkpoints finished saving, which still verify, which is newest.
 
-DeepSpeed writes a checkpoint as a folder of files, one or more per rank. A
-folder counts only once ``complete.json`` is in it: written by rank 0 after
-every rank has saved, with the sha256 of every file. A checkpoint cut short by
-a crash, a full disk or a node failure therefore never looks complete, and one
-changed on disk afterwards fails verification and is passed over.
+DeepSpeed writes a checkpoint as a folder of files, one or more per rank. Each
+rank hashes its files as it writes them and, once they are synced to disk,
+leaves a manifest of them (``.rank-NNNNN.json``). A folder counts only once
+``complete.json`` is in it: written by rank 0 when every rank's manifest is
+there, with the sha256 of every file. A checkpoint cut short by a crash, a full
+disk or a node failure therefore never looks complete, and one changed on disk
+afterwards fails verification and is passed over.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from clipforge.hpc.files import sha256, write_json
 
 COMPLETE = "complete.json"
 LATEST = "latest.json"
+MANIFEST = ".rank-{rank:05d}.json"
 
 
 class CheckpointIndex:
@@ -50,11 +53,11 @@ class CheckpointIndex:
             record = json.loads((folder / COMPLETE).read_text())
         except (OSError, ValueError) as exc:
             return f"unreadable completion record: {exc}"
-        for name, digest in record["files"].items():
+        for name, entry in record["files"].items():
             path = folder / name
             if not path.exists():
                 return f"{name} is missing"
-            if sha256(path) != digest:
+            if sha256(path) != (entry["sha256"] if isinstance(entry, dict) else entry):
                 return f"{name} does not match its checksum"
         return None
 
@@ -68,15 +71,34 @@ class CheckpointIndex:
                 skipped(tag, problem)
         return None
 
-    def mark_complete(self, tag: str, step: int, layout: dict | None = None) -> None:
+    def write_manifest(self, tag: str, rank: int, files: dict[str, dict]) -> None:
+        """Rank ``rank``'s files of ``tag`` (name: sha256 and bytes), once they are synced to disk."""
+        write_json(self.folder / tag / MANIFEST.format(rank=rank), files)
+
+    def manifests(self, tag: str) -> list[dict[str, dict]]:
+        """The manifests the ranks have left in ``tag`` so far."""
+        found = []
+        for path in sorted((self.folder / tag).glob(MANIFEST.replace("{rank:05d}", "*"))):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # written atomically: a file that does not parse is another writer's temporary
+        return found
+
+    def mark_complete(self, tag: str, step: int, layout: dict | None = None, files: dict | None = None) -> None:
         """Record every file of ``tag`` with its checksum: from now on it can be resumed.
 
-        Rank 0 calls this, after all ranks saved. ``layout`` says how the ranks that wrote it
-        were arranged (world size, data-parallel ranks, global batch), for a restart on fewer.
+        Rank 0 calls this, after all ranks saved. ``files``: what the ranks' manifests say (hashed as
+        written); a file of the folder they do not name is hashed here. ``layout`` says how the ranks
+        that wrote it were arranged (world size, data-parallel ranks, global batch), for a restart on fewer.
         """
         folder = self.folder / tag
-        files = {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-        write_json(folder / COMPLETE, {"step": step, "files": files, "layout": layout})
+        known = dict(files or {})
+        for p in sorted(folder.rglob("*")):
+            name = str(p.relative_to(folder))
+            if p.is_file() and name not in known and not p.name.startswith("."):
+                known[name] = {"sha256": sha256(p), "bytes": p.stat().st_size}
+        write_json(folder / COMPLETE, {"step": step, "files": known, "layout": layout})
         write_json(self.folder / LATEST, {"tag": tag})
 
     def step(self, tag: str) -> int:

@@ -3,7 +3,7 @@
 A run directory, as every training mode leaves it (DeepSpeed or parameter server)::
 
     config.yaml              the resolved job config
-    metrics.jsonl            one row per logged step and evaluation ({"kind": "train" | "eval" | ...})
+    metrics.jsonl            a row per step, evaluation and checkpoint ({"kind": "train" | "eval" | "checkpoint" | ...})
     tensorboard/             TensorBoard events
     checkpoints/step-N/      DeepSpeed checkpoints, each with complete.json (see checkpoints.py)
     ps/server-K.pt           parameter-server shard checkpoints
@@ -103,11 +103,11 @@ class RunDir:
         return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
 
     # -- metrics -------------------------------------------------------------------
-    def append_metrics(self, row: dict[str, Any]) -> None:
-        """One row of metrics.jsonl (rank 0 only: the file has one writer)."""
+    def append_metrics(self, *rows: dict[str, Any]) -> None:
+        """Rows of metrics.jsonl, in one append (rank 0 only: the file has one writer)."""
         self.prepare()
         with open(self.root / METRICS, "a") as f:
-            f.write(json.dumps(row, default=float) + "\n")
+            f.write("".join(json.dumps(row, default=float) + "\n" for row in rows))
 
     def metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Rows of metrics.jsonl, all of them or those of one ``kind`` (train, eval, ...)."""

@@ -181,6 +181,17 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
     resumed, reference = losses(run), losses(zero_runs[2])
     # Bitwise at fp32, with locality-aware sampling (the clips of a step are a function of seed and step).
     assert all(resumed[s] == reference[s] for s in range(5, 13)), (resumed, reference)
+    # Each checkpoint written in the background has its record: the loop's wait, the write's time, its bytes,
+    # which are the bytes of the files its complete.json lists with the checksums taken as they were written.
+    from clipforge.rundir import CheckpointIndex
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = {r["step"]: r for r in rows if r["kind"] == "checkpoint"}
+    assert {8, 12} <= set(saved) and all(r["blocked_s"] >= 0 and r["written_s"] > 0 for r in saved.values())
+    index = CheckpointIndex(run / "checkpoints")
+    complete = json.loads((index.path("step-00000012") / "complete.json").read_text())
+    on_disk = sum((index.path("step-00000012") / name).stat().st_size for name in complete["files"])
+    assert saved[12]["bytes"] == on_disk and index.verify("step-00000012") is None
     # On another number of ranks, without --elastic-min-nodes: one line, before any rank starts training.
     refused = train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", ranks=1, steps=14, check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
@@ -338,10 +349,19 @@ def test_every_named_model_states_its_input_and_builds() -> None:
 
 
 @pytest.mark.slurm
-def test_training_through_submitit_on_slurm_survives_scontrol_requeue(slurm, tiny_store: Path, tmp_path: Path) -> None:
+def test_training_from_registry_weights_through_submitit_on_slurm_survives_scontrol_requeue(
+    slurm, zero_runs, tiny_store: Path, tmp_path: Path
+) -> None:
     from clipforge.hpc.launch import run_script
+    from clipforge.registry.repo import Registry
 
+    registry = Registry.init(str(tmp_path / "registry.git"))
+    registry.push(zero_runs[1], "tiny-start")
     args = [
+        "--model.weights",
+        "registry:tiny-start@v1",
+        "--model.registry",
+        registry.remote,
         "--cluster",
         "dev",
         "--ntasks-per-node",
@@ -463,7 +483,7 @@ def test_mixup_and_cutmix_give_soft_targets_weighted_by_what_was_mixed() -> None
 
 
 def test_layer_decay_gives_each_layer_its_rate_and_the_head_the_full_one() -> None:
-    from clipforge.models.trainer import parameter_groups
+    from clipforge.models.engine import parameter_groups
 
     model = create_model("videovit-tiny", 6, frames=8, image_size=32, depth=3, tubelet=(2, 8, 8))
     groups = parameter_groups(model, len(model), 1e-3, 0.75)
@@ -503,10 +523,19 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
     small = ["--config", str(RECIPES / "ucf101_train.yaml"), "--data.crop", "24", "--epochs", "1"]
     small += ["--optim.warmup-epochs", "0.25", "--data.workers", "0"]
     start = ["--model.weights", "registry:tiny-start@production", "--model.registry", registry.remote]
-    result = train(mpiexec, tiny_store, run, *small, *start)
+    # Killed after its first checkpoint, then started again with the same command, as a requeue does: it resumes
+    # from the checkpoint (the registry weights were only where it started).
+    first = train(mpiexec, tiny_store, run, *small, *start, "--checkpoint-every", "2", wait=False)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step-00000002" / "complete.json").exists():
+        assert first.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    result = train(mpiexec, tiny_store, run, *small, *start, "--checkpoint-every", "2")
+    assert "resumed from checkpoint step-0000000" in result.stderr, result.stderr[-3000:]
     steps = -(-len(ClipDataset(tiny_store, "train")) // 8)  # one pass in global batches of 2 ranks x 4 clips
     assert f"1 epochs of the 'train' split: {steps} steps" in result.stderr, result.stderr[-3000:]
-    assert "starting from registry version tiny-start@v1 (registry:tiny-start@production)" in result.stderr
     started = (run / "start" / "model.safetensors").read_bytes()
     assert started == (zero_runs[1] / "final" / "model.safetensors").read_bytes()
     assert sorted(losses(run)) == list(range(1, steps + 1)) and all(np.isfinite(v) for v in losses(run).values())
