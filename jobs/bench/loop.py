@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -188,12 +189,12 @@ def run_one(case: Case, out: Path) -> None:
         for _ in range(case.checkpoints):
             trainer.checkpointer.save(trainer.step)
             trainer.run(until=trainer.step + case.window)
-        trainer.checkpointer.wait()
-        saved = trainer.checkpointer.finished()
-        trainer.records.checkpoint(saved)
         flops = trainer.arch.flops() if trainer.arch.flops else None
         peak = trainer.throughput.peak
         trainer.finish()
+    # The background checkpoints' records (the final one, written with the loop waiting, is left out).
+    saved = [r for r in trainer.run_dir.metrics("checkpoint") if r["step"] < s.steps]
+    data_wait = [r["data_wait"] for r in trainer.run_dir.metrics("throughput")]
     clips = case.batch * case.window
     median_trainer = statistics.median(trainer_s)
     result = {
@@ -206,6 +207,7 @@ def run_one(case: Case, out: Path) -> None:
         "peak_tflops": peak.tflops if peak else None,
         "peak_source": peak.source if peak else None,
         "checkpoints": saved,
+        "data_wait": statistics.median(data_wait) if data_wait else None,
     }
     out.write_text(json.dumps(result))
 
@@ -245,6 +247,7 @@ def main(cfg: Config) -> int:
     rows = []
     for case in cases(cfg, work):
         out = work / f"{Path(case.run).name}.json"
+        shutil.rmtree(case.run, ignore_errors=True)  # a run directory left by an earlier benchmark would resume
         env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         env["MASTER_PORT"] = str(_free_port())
         argv = [sys.executable, "-m", "clipforge.jobs.bench.loop", "--one", json.dumps(dataclasses.asdict(case))]
