@@ -105,27 +105,55 @@ class SnapshotEngine:
         staged, self.staged = self.staged, []
         return staged
 
+    def to_host(self, state: Any, name: str) -> Any:
+        """The writer's side of a first snapshot: device clones into new pinned buffers, on a stream of its own."""
+        if self.device.type != "cuda":
+            return state
+        buffers = self._buffers.setdefault(name, {})
+        stream = torch.cuda.Stream(self.device)
+
+        def move(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+            if tensor.device.type != "cuda":
+                return tensor
+            buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return buffers[path].copy_(tensor, non_blocking=True)
+
+        with torch.cuda.stream(stream):
+            moved = _map_tensors(state, move)
+        stream.synchronize()  # before the clones are let go: their memory returns to the training stream
+        return moved
+
     def _snapshot(self, state: Any, name: str) -> Any:
         """``state`` with every tensor copied into this file's host buffer for it (same types around them)."""
         cuda = self.device.type == "cuda"
         buffers = self._buffers.setdefault(name, {})
 
-        def copy(obj: Any, path: tuple) -> Any:
-            if isinstance(obj, torch.Tensor):
-                buffer = buffers.get(path)
-                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
-                    buffer = buffers[path] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=cuda)
-                return buffer.copy_(obj.detach(), non_blocking=cuda)
-            if isinstance(obj, dict):
-                return type(obj)((k, copy(v, (*path, k))) for k, v in obj.items())
-            if isinstance(obj, list):
-                return [copy(v, (*path, i)) for i, v in enumerate(obj)]
-            if isinstance(obj, tuple) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
-                items = [copy(v, (*path, i)) for i, v in enumerate(obj)]
-                return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-            return obj  # numbers, strings, torch.Size, configs: written as they are
+        def copy(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+            buffer = buffers.get(path)
+            if buffer is not None and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype:
+                return buffer.copy_(tensor.detach(), non_blocking=cuda)
+            if tensor.device.type == "cuda":
+                # Pinning host memory costs about a second per GB: the first time, the snapshot is a clone on
+                # the device, which the writer moves into new pinned buffers, kept for the next time (to_host).
+                return tensor.detach().clone()
+            buffers[path] = tensor.detach().clone()
+            return buffers[path]
 
-        return copy(state, ())
+        return _map_tensors(state, copy)
+
+
+def _map_tensors(obj: Any, fn, path: tuple = ()) -> Any:
+    """``obj`` with ``fn(tensor, path)`` for each tensor in its dicts, lists and tuples, their types kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, path)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn, (*path, k))) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn, (*path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
+        items = [_map_tensors(v, fn, (*path, i)) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj  # numbers, strings, torch.Size, configs: written as they are
 
 
 class _HashingFile:
@@ -208,6 +236,7 @@ class Checkpointer:
         folder = self.index.path(tag)
         written: dict[str, dict[str, Any]] = {}
         for state, path in files:
+            state = self.snapshots.to_host(state, Path(path).name)
             out = _HashingFile(Path(path))
             try:
                 torch.save(state, out)

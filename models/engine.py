@@ -79,6 +79,18 @@ def build_engine(
         # One data-parallel rank: DeepSpeed would still flatten every gradient, all-reduce it with itself and
         # copy it back, each step (about 5% of a small model's step on CPUs).
         engine.enable_backward_allreduce = False
+    if (
+        s.parallel.layout == "plain"
+        and s.parallel.zero_stage == 0
+        and not (s.precision == "bf16" and form == "weights")
+    ):
+        # DeepSpeed clips fp32 gradients with a norm kernel and a multiply per parameter and an all-reduce of the
+        # norm; at ZeRO-0 every rank holds the whole all-reduced gradient, so torch's foreach clipping (a few
+        # kernels for all parameters) computes the same norm.
+        clip = s.optim.clip_grad
+        engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(
+            engine.module.parameters(), clip, foreach=True
+        )
     if compiles(s, device):
         # Dynamo's own fallback: a graph it cannot compile runs eagerly, with a warning, not a failure.
         torch._dynamo.config.suppress_errors = True

@@ -187,6 +187,7 @@ def run_one(case: Case, out: Path) -> None:
             bare_s.append(times["bare"])
             ratios.append(times["bare"] / times["trainer"])
         for _ in range(case.checkpoints):
+            trainer.checkpointer.wait()  # the previous write done, as at any sane interval: this save's own wait
             trainer.checkpointer.save(trainer.step)
             trainer.run(until=trainer.step + case.window)
         flops = trainer.arch.flops() if trainer.arch.flops else None
