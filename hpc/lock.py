@@ -15,12 +15,14 @@ never blocks its requeue.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +153,31 @@ def _slurm_job_ended(job_id: str) -> bool:
     if result.returncode != 0:
         return "Invalid job id" in result.stderr  # long gone from the controller's memory
     return result.stdout.strip() not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED")
+
+
+@contextlib.contextmanager
+def held_by_rank_zero(directory: Path, what: str, rank: int) -> Iterator[None]:
+    """The directory's writer lock, taken by rank 0 for a job of many ranks; every rank stops with the same line if not.
+
+    Call it with the process group started: rank 0's verdict is broadcast.
+    """
+    import torch.distributed as dist
+
+    from .distenv import collective_device
+
+    lock = WriterLock(directory, what) if rank == 0 else None
+    refusal: list[str | None] = [None]
+    if lock is not None:
+        try:
+            lock.acquire()
+        except WriterBusy as exc:
+            refusal = [str(exc)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(refusal, src=0, device=collective_device())
+    if refusal[0] is not None:
+        raise WriterBusy(refusal[0])
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

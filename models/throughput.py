@@ -13,13 +13,15 @@ the windows the log prints but not in :meth:`summary`, the run's steady rate.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from clipforge.hpc.accelerator import Peak
+from clipforge.hpc.accelerator import Peak, peak
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Throughput:
@@ -33,6 +35,20 @@ class Throughput:
         self.window = _Span()
         self.steady = _Span()
         self.steps = 0
+
+    @classmethod
+    def of_run(cls, clips_per_step: int, flops: float | None, device, devices: int, main: bool) -> Throughput:
+        """The meter of a training run; rank 0 (``main``) logs the peak its MFU divides by."""
+        # A device missing from the datasheet table is measured, once, on rank 0 only: only rank 0 logs.
+        device_peak = peak(device) if flops and main else None
+        if device_peak is not None:
+            log.info(
+                "MFU against %.3g TFLOP/s per device (%s, %s)",
+                device_peak.tflops,
+                device_peak.device,
+                device_peak.source,
+            )
+        return cls(clips_per_step, flops, device_peak, devices)
 
     def timed(self, items: Iterable[T]) -> Iterator[T]:
         """``items`` unchanged, with the time spent waiting for each one added to the data-wait figures."""
@@ -106,3 +122,14 @@ class _Span:
     def add(self, now: float, waited: float, steps: int = 1) -> None:
         self.steps += steps
         self.elapsed, self.waited = now - self._t0, waited - self._w0
+
+
+def peak_memory_gib(device) -> float:
+    """The most GPU memory this process's tensors held (on CPUs: the process's peak resident size)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -31,9 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from clipforge.hpc.accelerator import peak
 from clipforge.hpc.distenv import DistEnv, collective_device, setup_distributed, task_device
-from clipforge.hpc.lock import WriterBusy, WriterLock
+from clipforge.hpc.lock import held_by_rank_zero
 from clipforge.hpc.requeue import Preemption
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
@@ -49,7 +48,7 @@ from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
 from .settings import TrainSettings, check_settings
-from .throughput import Throughput
+from .throughput import Throughput, peak_memory_gib
 
 log = logging.getLogger(__name__)
 
@@ -145,31 +144,12 @@ class Trainer:
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
-        with self._run_dir_lock():
+        with held_by_rank_zero(self.settings.run_dir, "run directory", self.dist.rank):
             try:
                 yield
             finally:
                 if hasattr(self, "checkpointer"):
                     self.checkpointer.close()
-
-    @contextlib.contextmanager
-    def _run_dir_lock(self) -> Iterator[None]:
-        """One job writes a run directory: rank 0 takes its lock, and every rank stops with the same line if not."""
-        lock = WriterLock(self.settings.run_dir, "run directory") if self.dist.is_main else None
-        refusal = [None]
-        if lock is not None:
-            try:
-                lock.acquire()
-            except WriterBusy as exc:
-                refusal = [str(exc)]
-        torch.distributed.broadcast_object_list(refusal, src=0, device=collective_device())
-        if refusal[0] is not None:
-            raise WriterBusy(refusal[0])
-        try:
-            yield
-        finally:
-            if lock is not None:
-                lock.release()
 
     def start(self) -> None:
         """Decide where the run starts, build the engine there, and ready the meters (inside :meth:`session`)."""
@@ -191,7 +171,9 @@ class Trainer:
         load_planned(self.engine, self.plan, self.run_dir.checkpoints, self.dist)
         self.step = self.plan.step
         self.preemption = Preemption(self.max_requeues)
-        self.throughput = self._throughput_meter()
+        clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
+        flops = self.arch.flops() if self.arch.flops else None
+        self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main)
         lr = lambda: float(max(self.engine.get_lr()))  # noqa: E731 - the head's, with layer-wise decay
         self.records = RunLog(self.run_dir, main, self.step, s.steps, self.throughput, lr)
         self._batches = self._input()
@@ -301,7 +283,7 @@ class Trainer:
         self.checkpointer.save(self.step, wait=True)
         self.records.checkpoint(self.checkpointer.finished())
         self.records.progress.close()
-        summary = {**self.throughput.summary(), "peak_memory_gib": self._peak_memory_gib()}
+        summary = {**self.throughput.summary(), "peak_memory_gib": peak_memory_gib(self.device)}
         tag = self.run_dir.checkpoints.tag(self.step)
         state = self.layout.final_state(self.engine, self.run_dir.checkpoints, tag, main)
         if self.layout.evaluates_while_training:
@@ -330,27 +312,3 @@ class Trainer:
             )
         torch.distributed.barrier()
         return result
-
-    # -- figures -------------------------------------------------------------------------
-    def _peak_memory_gib(self) -> float:
-        """The most GPU memory this rank's tensors held (on CPUs: the process's peak resident size)."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**30
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-    def _throughput_meter(self) -> Throughput:
-        s = self.settings
-        flops = self.arch.flops() if self.arch.flops else None
-        # Only rank 0 logs; a device missing from the datasheet table is measured there, once.
-        device_peak = peak(self.device) if flops and self.dist.is_main else None
-        if device_peak is not None:
-            log.info(
-                "MFU against %.3g TFLOP/s per device (%s, %s)",
-                device_peak.tflops,
-                device_peak.device,
-                device_peak.source,
-            )
-        clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
-        return Throughput(clips_per_step, flops, device_peak, self.dist.world_size)

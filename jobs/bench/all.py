@@ -7,7 +7,8 @@ Runs, in order: the preprocess room (bare PyAV decode as the limit, packing with
 1 and 2 ranks, the reader against on-the-fly decoding as SlowFast's and
 VideoMAE's loaders do), training (plain DDP against DeepSpeed's ZeRO stages,
 model-state bytes against the ZeRO paper), the store (10 to 10,000 shards,
-locality, codecs), the registry (push and pull against their floor and plain
+locality, codecs), the training loop (the Trainer beside a bare loop of its own
+model), the registry (push and pull against their floor and plain
 git with git-lfs, list at 1,000 versions), the parameter server (sync against
 SSP and async with a straggler) and the nodes (one node against three on the
 multi-node cluster, and the time from a node's loss to resumed training).
@@ -31,6 +32,7 @@ BENCHMARKS = [
     ("Preprocess: packing and reading clips", "clipforge.jobs.bench.preprocess", []),
     ("Store: 10 to 10,000 shards, and its codecs", "clipforge.jobs.bench.store", []),
     ("Training: DDP against DeepSpeed ZeRO 0-3", "clipforge.jobs.bench.train", []),
+    ("Training loop: the Trainer beside a bare loop of its own model", "clipforge.jobs.bench.loop", []),
     ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
     ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),
     ("Nodes: one node against three, and a node lost", "clipforge.jobs.bench.nodes", []),
@@ -95,6 +97,9 @@ def main(cfg: Config) -> None:
             )
         )
         benchmarks.append(
+            ("GPU: the Trainer beside a bare loop, VideoViT-B", "clipforge.jobs.bench.loop", ["--gpu", "--rounds", "3"])
+        )
+        benchmarks.append(
             ("GPU check: the Trainer at ZeRO 0, 2, 3, resume, evaluation", "clipforge.jobs.gpu_check", [])
         )
     for title, module, args in benchmarks:
@@ -122,7 +127,8 @@ def main(cfg: Config) -> None:
             "## GPU",
             "",
             "Not measured: this machine has no accelerator. On a GPU node, `python jobs/bench/all.py --gpu` adds",
-            "VideoViT-B at bf16 (MFU per ZeRO stage) and the device check (`python jobs/gpu_check.py`).",
+            "VideoViT-B at bf16 (MFU per ZeRO stage), the Trainer beside a bare loop on the GPU and the device",
+            "check (`python jobs/gpu_check.py`).",
             "",
         ]
     cfg.out.write_text("\n".join(sections))
