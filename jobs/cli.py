@@ -197,6 +197,22 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("store", help="the store's directory")
     verify.set_defaults(func=_store_verify)
 
+    fl = sub.add_parser("fl", help="federated training on Flower: the federation's keys")
+    flsub = fl.add_subparsers(metavar="VERB")
+    keys = flsub.add_parser(
+        "certs",
+        help="a CA, the server's TLS certificate and one key pair per client, and what to hand to whom",
+    )
+    keys.add_argument("folder", help="where the keys go (existing ones are kept)")
+    keys.add_argument("--clients", type=int, default=2, help="client key pairs to make (client-0 ... client-N-1)")
+    keys.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        help="a name or address the server is reached at (repeat; default localhost and 127.0.0.1)",
+    )
+    keys.set_defaults(func=_fl_certs)
+
     demo = sub.add_parser("demo", help="run the main job on the embedded default (no cluster needed)")
     demo.add_argument("--cluster", default=None, help="a cluster profile to run on instead of local processes")
     demo.add_argument("--workdir", default="runs/demo", help="where the demo corpus, store and runs go")
@@ -431,6 +447,16 @@ def _store_verify(args: argparse.Namespace, rest: list[str]) -> int:
     store = ClipStore.open(Path(args.store))
     store.verify()
     print(f"{args.store}: {len(store.shard_names)} shards, every one present with its recorded size")
+    return 0
+
+
+def _fl_certs(args: argparse.Namespace, rest: list[str]) -> int:
+    from clipforge.ps import certs
+
+    hosts = tuple(args.host or ("localhost", "127.0.0.1"))
+    made = certs.make_certs(Path(args.folder), args.clients, hosts)
+    print(f"{len(made)} files made in {args.folder} (server certificate for {', '.join(hosts)})")
+    print("\n".join(certs.handout(Path(args.folder), args.clients)))
     return 0
 
 

@@ -1,1 +1,1 @@
-"""Parameter-server training over torch.distributed.rpc (asynchronous, SSP, sync, federated averaging)."""
+"""Parameter-server training over torch.distributed.rpc (asynchronous, SSP, sync), and federated training on Flower."""

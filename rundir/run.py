@@ -7,6 +7,7 @@ A run directory, as every training mode leaves it (DeepSpeed or parameter server
     tensorboard/             TensorBoard events
     checkpoints/step-N/      DeepSpeed checkpoints, each with complete.json (see checkpoints.py)
     ps/server-K.pt           parameter-server shard checkpoints
+    rounds/round-N.safetensors  the global model after federated round N (the last few)
     final/model.safetensors  consolidated fp32 weights of the plain model
     final/run.json           the RunRecord: what evaluation, prediction and the registry need
     eval.json                the final evaluation in full (confusion matrix included)
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 
 from clipforge.hpc.errors import UserError
-from clipforge.hpc.files import write_json, write_text
+from clipforge.hpc.files import replacing, write_json, write_text
 
 from .checkpoints import CheckpointIndex
 from .plots import plot_run
@@ -35,6 +36,7 @@ FINAL = "final"
 WEIGHTS = "model.safetensors"
 RECORD = "run.json"
 EVALUATION = "eval.json"
+ROUNDS = "rounds"
 
 
 class RunDirError(UserError):
@@ -90,6 +92,31 @@ class RunDir:
     def prepare(self) -> RunDir:
         self.root.mkdir(parents=True, exist_ok=True)
         return self
+
+    # -- federated rounds --------------------------------------------------------------
+    def save_round(self, index: int, state: dict[str, Any], keep: int = 2) -> Path:
+        """The global model after federated round ``index`` (written whole or not at all); older ones pruned."""
+        from safetensors.torch import save_file
+
+        folder = self.root / ROUNDS
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"round-{index:05d}.safetensors"
+        with replacing(path) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        for old in sorted(folder.glob("round-*.safetensors"))[:-keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def last_round(self) -> tuple[int, dict[str, Any] | None]:
+        """The last saved federated round and its global model; (0, None) when none was saved."""
+        from safetensors.torch import load_file
+
+        for path in sorted((self.root / ROUNDS).glob("round-*.safetensors"), reverse=True):
+            try:
+                return int(path.stem.split("-")[1]), load_file(str(path))
+            except (OSError, ValueError):
+                continue
+        return 0, None
 
     # -- the config ----------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> Path:

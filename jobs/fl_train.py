@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+# fmt: off
+#SBATCH --job-name=clipforge-fl
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=3
+#SBATCH --time=240
+# fmt: on
+"""Federated training on Flower: a server and clients that train on data that never leaves them.
+
+    python jobs/fl_train.py --data.store store/ucf101 --clients 4 --rounds 20     # a SuperLink and 4 SuperNodes
+    sbatch jobs/fl_train.py --data.store ... --clients 4 --cpus-per-task 5        # the same, as one Slurm task
+
+The server is Flower's SuperLink with TLS (the federation's CA) and SuperNode
+authentication: only clients whose public keys are registered join. Each
+client is a SuperNode with its own key, training on its own share of a store
+(--shares iid or by_class). The run directory is the one every run writes:
+config, a metrics row per round, the global model after each round (a killed
+server resumes from its last round), final weights and record.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in one line if it lacks clipforge
+    try:
+        import clipforge.hpc.launch  # noqa: F401
+    except ImportError as missing:
+        sys.exit(
+            f"clipforge: error: {sys.executable} cannot run this job ({missing}); activate the environment clipforge "
+            "is installed in (source <venv>/bin/activate) before python or sbatch, which passes it on to the job"
+        )
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from clipforge.hpc.distenv import dist_env, free_port
+from clipforge.hpc.launch import JobSpec, Launch, run_script
+from clipforge.hpc.logs import setup_logging
+from clipforge.hpc.resources import Resources
+from clipforge.jobs import config
+from clipforge.models.builders import architecture
+from clipforge.models.settings import DataSettings, ModelSettings
+from clipforge.preprocess.reader import ClipDataset
+from clipforge.preprocess.store import ClipStore
+from clipforge.ps import certs
+from clipforge.ps.federated import FederatedPlan
+from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
+from clipforge.rundir import RunDir
+
+log = logging.getLogger("clipforge.fl_train")
+
+
+@dataclasses.dataclass
+class Config:
+    """Federated training of a video classifier on Flower, with TLS and authenticated clients."""
+
+    run_dir: Path = Path("runs/fl")
+    """Where config, metrics per round, the global model of each round and the final weights go."""
+    clients: int = 2
+    """SuperNodes this job starts (on Slurm: one per task after the server's)."""
+    rounds: int = 5
+    """Federated rounds."""
+    min_clients: int | None = None
+    """Clients a round waits for and samples at least; default: all of --clients."""
+    client_fraction: float = 1.0
+    """Share of the available clients sampled each round."""
+    local_epochs: int = 1
+    """Passes each client makes over its own clips per round."""
+    lr: float = 0.002
+    """Clients' AdamW learning rate (a fresh optimizer each round)."""
+    batch: int = 8
+    """Clips per local step."""
+    shares: Literal["iid", "by_class"] = "iid"
+    """How the store's training clips are divided among the clients: at random, or by class (non-IID)."""
+    certs: Path | None = None
+    """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
+    port: int = 0
+    """The SuperLink's port (0: a free one)."""
+    round_timeout_s: float = 600.0
+    """How long the job waits for the whole run before it gives up."""
+    seed: int = 0
+    """Seed of the model's initialisation, the partition and the clients' shuffling."""
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    data: DataSettings = dataclasses.field(default_factory=DataSettings)
+    launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
+    resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
+        default_factory=lambda: Resources(time="04:00:00", job_name="clipforge-fl")
+    )
+
+    @property
+    def keys(self) -> Path:
+        return self.certs if self.certs is not None else self.run_dir / "certs"
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    return config.parse(Config, argv)
+
+
+def check(cfg: Config) -> None:
+    """Refuse a federation that cannot work before anything starts."""
+    if cfg.clients < 1 or cfg.rounds < 1 or cfg.local_epochs < 1 or cfg.batch < 1:
+        raise config.ConfigError("clients, rounds, local_epochs and batch must be at least 1")
+    wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
+    if not 1 <= wanted <= cfg.clients:
+        raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
+    if not 0 < cfg.client_fraction <= 1:
+        raise config.ConfigError(f"--client-fraction {cfg.client_fraction}: give a share in (0, 1]")
+    store = ClipStore.open(cfg.data.store)
+    train = ClipDataset(store, cfg.data.train_split)
+    ClipDataset(store, cfg.data.eval_split)
+    if len(train) < cfg.clients:
+        raise config.ConfigError(f"split {cfg.data.train_split!r} has {len(train)} clips for {cfg.clients} clients")
+    size = cfg.data.crop or store.params["height"]
+    architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
+    if cfg.certs is not None and not (cfg.certs / certs.CA_CERT).exists():
+        raise config.ConfigError(
+            f"--certs {cfg.certs}: no {certs.CA_CERT} there; make the keys with clipforge fl certs"
+        )
+
+
+def plan(cfg: Config) -> FederatedPlan:
+    return FederatedPlan(
+        run_dir=str(cfg.run_dir.resolve()),
+        store=str(Path(cfg.data.store).resolve()),
+        model=cfg.model.name,
+        overrides=cfg.model.overrides(),
+        rounds=cfg.rounds,
+        min_clients=cfg.min_clients if cfg.min_clients is not None else cfg.clients,
+        client_fraction=cfg.client_fraction,
+        local_epochs=cfg.local_epochs,
+        lr=cfg.lr,
+        batch=cfg.batch,
+        eval_split=cfg.data.eval_split,
+        crop=cfg.data.crop,
+        flip=cfg.data.flip,
+        seed=cfg.seed,
+    )
+
+
+def node_config(cfg: Config, index: int) -> dict[str, object]:
+    """What SuperNode ``index`` is told of its data (a client elsewhere has its own store)."""
+    return {
+        "store": str(Path(cfg.data.store).resolve()),
+        "split": cfg.data.train_split,
+        "partition-id": index,
+        "num-partitions": cfg.clients,
+        "partition": cfg.shares,
+        "seed": cfg.seed,
+    }
+
+
+def main(cfg: Config) -> dict | None:
+    env = dist_env()
+    setup_logging(env.rank if env.world_size > 1 else None)
+    run = RunDir(cfg.run_dir).prepare()
+    work = run.root / "flower"
+    if env.world_size > 1:
+        raise FlowerError("fl_train runs its federation from one task for now; start it with one task (--ntasks 1)")
+    run.write_config(config.to_dict(cfg))
+    if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists():
+        certs.make_certs(cfg.keys, cfg.clients)
+    started = time.monotonic()
+    superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
+    nodes: list[SuperNode] = []
+    try:
+        for i in range(cfg.clients):
+            superlink.register(certs.client_public_key(cfg.keys, i))
+        for i in range(cfg.clients):
+            nodes.append(
+                SuperNode(
+                    i, certs.client_key(cfg.keys, i), cfg.keys / certs.CA_CERT, superlink.address,
+                    node_config(cfg, i), free_port(), work,
+                )
+            )  # fmt: skip
+        for node in nodes:
+            node.wait_ready()
+        log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", superlink.address, len(nodes))
+        plan_file = plan(cfg).write(work / "plan.json")
+        run_id, status = superlink.run({"plan": str(plan_file)}, cfg.round_timeout_s * cfg.rounds)
+    finally:
+        for node in nodes:
+            node.stop()
+        superlink.stop()
+    if status != "finished:completed":
+        raise FlowerError(f"federated run {run_id} ended {status}; its log: {work / 'logs' / f'run-{run_id}.log'}")
+    record = run.record()
+    log.info(
+        "federation of %d clients finished %d rounds in %.0f s: video top-1 %.3f; weights in %s",
+        cfg.clients,
+        record.steps,
+        time.monotonic() - started,
+        record.metrics["video_top1"],
+        run.weights,
+    )
+    return {"rounds": record.steps, "metrics": record.metrics, "weights": str(run.weights)}
+
+
+SPEC = JobSpec("clipforge.jobs.fl_train", parse, main, check=check)
+
+if __name__ == "__main__":
+    sys.exit(config.guarded(lambda: run_script(SPEC.module))())

@@ -1,0 +1,136 @@
+"""The keys and certificates of a federation: a CA, the server's TLS certificate, one key pair per client.
+
+Made with the ``cryptography`` package, never by hand. The SuperLink (the
+server) serves TLS with a certificate the CA signed for its host names; every
+SuperNode (a client) trusts that CA and proves who it is with an elliptic-curve
+key pair whose public half the server registers (Flower's SuperNode
+authentication). Nothing secret needs to travel from a client to the server:
+the server needs only the client's public key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+from clipforge.hpc.errors import UserError
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+SERVER_CERT = "server.pem"
+SERVER_KEY = "server.key"
+
+
+class CertError(UserError):
+    """Keys that cannot be made or used as asked."""
+
+
+def client_key(folder: Path, index: int) -> Path:
+    """The private key of client ``index`` (OpenSSH format, as Flower's SuperNode reads it)."""
+    return Path(folder) / f"client-{index}.key"
+
+
+def client_public_key(folder: Path, index: int) -> Path:
+    return Path(folder) / f"client-{index}.key.pub"
+
+
+def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> list[Path]:
+    """A CA, the server's certificate for ``hosts`` and ``clients`` client key pairs in ``folder``; the files made.
+
+    An existing CA and server certificate are kept (so clients added later trust the same server);
+    existing client keys are kept too.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if clients < 0:
+        raise CertError(f"--clients is {clients}; give the number of client key pairs to make, 0 or more")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    made: list[Path] = []
+
+    def private_pem(key) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    def write(path: Path, data: bytes, mode: int) -> None:
+        path.write_bytes(data)
+        path.chmod(mode)
+        made.append(path)
+
+    if not (folder / CA_CERT).exists():
+        ca_key = ec.generate_private_key(ec.SECP384R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "clipforge federation CA")])
+        ca = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+            )  # digital signature, certificate and CRL signing
+            .sign(ca_key, hashes.SHA256())
+        )
+        write(folder / CA_KEY, private_pem(ca_key), 0o600)
+        write(folder / CA_CERT, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+    ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
+    if not (folder / SERVER_CERT).exists():
+        key = ec.generate_private_key(ec.SECP384R1())
+        names = [
+            x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in dict.fromkeys(hosts)
+        ]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        write(folder / SERVER_KEY, private_pem(key), 0o600)
+        write(folder / SERVER_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for i in range(clients):
+        if client_key(folder, i).exists():
+            continue
+        key = ec.generate_private_key(ec.SECP384R1())
+        openssh = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        )
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        write(client_key(folder, i), openssh, 0o600)
+        write(client_public_key(folder, i), public + b"\n", 0o644)
+    return made
+
+
+def handout(folder: Path, clients: int) -> list[str]:
+    """What to hand to whom, one line each."""
+    f = Path(folder)
+    lines = [
+        f"server (SuperLink): {f / CA_CERT}, {f / SERVER_CERT}, {f / SERVER_KEY} (keep {f / CA_KEY} offline)",
+        f"server, to register the clients: {', '.join(str(client_public_key(f, i)) for i in range(clients))}",
+    ]
+    lines += [f"client {i} (SuperNode): {f / CA_CERT} and {client_key(f, i)} (its own only)" for i in range(clients)]
+    return lines
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

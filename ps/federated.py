@@ -1,0 +1,208 @@
+"""Federated training on Flower: what the server and each client do in a round.
+
+The server (a Flower ServerApp) holds the global model: it starts it from the
+run directory's last round if there is one, has Flower's FedAvg sample clients
+and average their updates weighted by their examples, and after each round
+evaluates the global model, checkpoints it into the run directory and writes
+the round's metrics. A client (a Flower ClientApp on a SuperNode) builds the
+same architecture from what the round's config names, loads the global
+weights, trains on its own share of its own store and sends back its weights
+and its number of examples. Weights travel as arrays (Flower's own records),
+never as pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clipforge.hpc.distenv import dist_env
+from clipforge.models.builders import architecture
+from clipforge.models.evaluation import evaluate_model
+from clipforge.preprocess.reader import ClipDataset
+from clipforge.preprocess.store import ClipStore
+from clipforge.rundir import RunDir, RunRecord
+
+from .worker import Augment, partition
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FederatedPlan:
+    """What the server needs to run the federation; written by the job into the run directory."""
+
+    run_dir: str
+    store: str
+    """The server's store: its classes and input shape, and the split it evaluates the global model on."""
+    model: str
+    overrides: dict[str, Any]
+    rounds: int
+    min_clients: int
+    """Clients a round waits for (and samples at least)."""
+    client_fraction: float
+    local_epochs: int
+    lr: float
+    batch: int
+    eval_split: str = "val"
+    crop: int | None = None
+    flip: bool = False
+    seed: int = 0
+    keep_rounds: int = 2
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> FederatedPlan:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def serve(grid, context) -> None:
+    """The ServerApp's main: FedAvg over the SuperNodes for the plan's rounds, resuming after the last saved one."""
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import DefaultWorkflow
+
+    plan = FederatedPlan.read(Path(str(context.run_config["plan"])))
+    run = RunDir(Path(plan.run_dir))
+    store = ClipStore.open(Path(plan.store))
+    frames, size = store.params["clip_frames"], plan.crop or store.params["height"]
+    arch = architecture(plan.model, len(store.classes), frames, size, **plan.overrides)
+    model = arch.build(seed=plan.seed)
+    done, saved = run.last_round()
+    if saved is not None:
+        model.load_state_dict(saved)
+        print(f"resuming the federation after round {done} of {plan.rounds}", flush=True)
+    keys = list(model.state_dict())
+    eval_set = ClipDataset(store, plan.eval_split)
+    started = time.time()
+
+    def after_round(server_round: int, arrays: list[np.ndarray], config: dict) -> tuple[float, dict] | None:
+        if server_round == 0:
+            return None  # the initial model: nothing trained yet
+        finished = done + server_round
+        state = {k: torch.from_numpy(np.array(a)) for k, a in zip(keys, arrays)}
+        model.load_state_dict(state)
+        metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
+        run.save_round(finished, state, plan.keep_rounds)
+        row = {"kind": "round", "step": finished, "loss": metrics["loss"], "video_top1": metrics["video_top1"]}
+        run.append_metrics({**row, "seconds": time.time() - started})
+        print(
+            f"round {finished}/{plan.rounds}: {plan.eval_split} loss {metrics['loss']:.4f}, "
+            f"video top-1 {metrics['video_top1']:.3f}",
+            flush=True,
+        )
+        return float(metrics["loss"]), {"video_top1": float(metrics["video_top1"])}
+
+    def round_config(server_round: int) -> dict[str, Any]:
+        """What a client needs to build the model and train it this round (Flower sends it with the weights)."""
+        return {
+            "round": done + server_round,
+            "model": plan.model,
+            "overrides": json.dumps(plan.overrides),
+            "classes": len(store.classes),
+            "frames": frames,
+            "size": size,
+            "crop": plan.crop or 0,
+            "flip": plan.flip,
+            "epochs": plan.local_epochs,
+            "lr": plan.lr,
+            "batch": plan.batch,
+            "seed": plan.seed,
+        }
+
+    if done < plan.rounds:
+        strategy = FedAvg(
+            fraction_fit=plan.client_fraction,
+            fraction_evaluate=0.0,  # the server evaluates the global model on its own split
+            min_fit_clients=plan.min_clients,
+            min_available_clients=plan.min_clients,
+            initial_parameters=ndarrays_to_parameters([v.numpy() for v in model.state_dict().values()]),
+            evaluate_fn=after_round,
+            on_fit_config_fn=round_config,
+        )
+        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=plan.rounds - done), strategy=strategy)
+        DefaultWorkflow()(grid, legacy)
+    rounds, state = run.last_round()
+    model.load_state_dict(state)
+    metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
+    record = RunRecord.of_run(plan.model, plan.overrides, store, plan.crop, metrics, rounds, dist_env())
+    run.append_metrics({"kind": "eval", "step": rounds, **metrics})
+    weights = run.write_final(state, record, metrics)
+    print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+
+
+class _Client:
+    """A SuperNode's trainer: its own clips, the global weights in, its own weights and example count out."""
+
+    def __init__(self, node_config: dict[str, Any]) -> None:
+        self.store = ClipStore.open(Path(str(node_config["store"])))
+        self.index = int(node_config.get("partition-id", 0))
+        parts = int(node_config.get("num-partitions", 1))
+        how: Literal["iid", "by_class"] = str(node_config.get("partition", "iid"))  # type: ignore[assignment]
+        self.dataset = ClipDataset(self.store, str(node_config.get("split", "train")))
+        self.share = partition(self.dataset.labels, parts, how, int(node_config.get("seed", 0)))[self.index]
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
+        arch = architecture(
+            str(config["model"]), int(config["classes"]), int(config["frames"]), int(config["size"]),
+            **json.loads(str(config["overrides"])),
+        )  # fmt: skip
+        model = arch.build(seed=int(config["seed"]))
+        model.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in zip(model.state_dict(), parameters)})
+        crop = int(config["crop"]) or None
+        augment = Augment(crop, bool(config["flip"]), int(config["seed"]) * 1009 + self.index)
+        train_locally(
+            model, self.dataset, self.share, int(config["epochs"]), float(config["lr"]), int(config["batch"]),
+            int(config["round"]), augment,
+        )  # fmt: skip
+        return [v.detach().numpy() for v in model.state_dict().values()], len(self.share), {}
+
+
+def client(context):
+    """The ClientApp's client_fn: this SuperNode's trainer, from its node config (its store and share)."""
+    from flwr.client import NumPyClient
+
+    trainer = _Client(dict(context.node_config))
+
+    class Client(NumPyClient):
+        def fit(self, parameters, config):
+            return trainer.fit(parameters, config)
+
+    return Client().to_client()
+
+
+def train_locally(
+    model: torch.nn.Module,
+    dataset: ClipDataset,
+    share: np.ndarray,
+    epochs: int,
+    lr: float,
+    batch: int,
+    round_index: int,
+    augment: Augment,
+) -> None:
+    """``epochs`` passes over ``share`` with a fresh AdamW (FedAvg clients keep no state between rounds)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng([augment.seed, round_index])
+    model.train()
+    for epoch in range(epochs):
+        order = share[rng.permutation(len(share))]
+        for start in range(0, len(order), batch):
+            items = [dataset[int(i)] for i in order[start : start + batch]]
+            clips, labels = torch.stack([c for c, _ in items]), torch.tensor([y for _, y in items])
+            optimizer.zero_grad()
+            step = (round_index * epochs + epoch) * len(order) + start
+            F.cross_entropy(model(augment(clips, step)), labels).backward()
+            optimizer.step()

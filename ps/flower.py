@@ -1,0 +1,167 @@
+"""Flower's deployment engine as processes: a SuperLink with TLS and SuperNode authentication, SuperNodes, runs.
+
+Flower does the federated work (the Fleet API over HTTPS, SuperNode
+authentication, its strategies and SecAgg+); this module only starts its
+programs the way a job needs them and reads their answers. Each process gets a
+``FLWR_HOME`` of its own (where Flower keeps its config and the apps it
+installs) and the environment's ``bin`` on ``PATH``: the SuperLink and the
+SuperNodes start Flower's other programs by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clipforge.hpc.errors import UserError
+
+from . import certs
+
+log = logging.getLogger(__name__)
+
+APP = Path(__file__).resolve().parent / "flower_app"
+"""The Flower app (ServerApp and ClientApp) that ``flwr run`` bundles and sends to the SuperNodes."""
+BIN = Path(sys.executable).parent
+
+
+class FlowerError(UserError):
+    """A federation that could not start or run; the message names the log to read."""
+
+
+def environment(home: Path) -> dict[str, str]:
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1")
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def wait_for_line(
+    log_file: Path, pattern: str, timeout_s: float, process: subprocess.Popen | None = None, after: int = 0
+) -> str:
+    """The first line of ``log_file`` past byte ``after`` that matches ``pattern``, once it is there."""
+    expression = re.compile(pattern)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log_file.exists():
+            with open(log_file, "rb") as f:
+                f.seek(after)
+                text = f.read().decode(errors="replace")
+            for line in text.splitlines():
+                if expression.search(line):
+                    return line
+        if process is not None and process.poll() is not None:
+            raise FlowerError(f"{log_file.stem} ended (exit {process.returncode}) before it was ready; see {log_file}")
+        time.sleep(0.2)
+    raise FlowerError(f"{log_file.stem} was not ready within {timeout_s:.0f} s; see {log_file}")
+
+
+class Process:
+    """One of Flower's programs, its output in a log file (a pipe would be held open by its children)."""
+
+    def __init__(self, name: str, argv: list[str], home: Path, logs: Path) -> None:
+        self.name, self.log = name, logs / f"{name}.log"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.since = self.log.stat().st_size if self.log.exists() else 0
+        """Where this start's lines begin in the log (a restarted job appends to the same file)."""
+        with open(self.log, "ab") as out:
+            # In the job's process group: whatever ends the job (Slurm, a SIGKILL of the group) ends them too.
+            self.process = subprocess.Popen(argv, env=environment(home), stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (Flower's programs stop the ones they started), SIGKILL if it lingers."""
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class SuperLink(Process):
+    """The server: TLS with the federation's certificate, only registered SuperNodes admitted."""
+
+    def __init__(self, keys: Path, port: int, work: Path, host: str = "127.0.0.1") -> None:
+        self.address, self.keys, self.work = f"{host}:{port}", Path(keys), Path(work)
+        argv = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(self.keys / certs.CA_CERT)]
+        argv += [
+            "--ssl-certfile",
+            str(self.keys / certs.SERVER_CERT),
+            "--ssl-keyfile",
+            str(self.keys / certs.SERVER_KEY),
+        ]
+        argv += ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
+        argv += ["--host", host, "--port", str(port)]
+        super().__init__("superlink", argv, self.work / "superlink-home", self.work / "logs")
+        wait_for_line(self.log, r"Uvicorn running on https://", 120, self.process, self.since)
+        home = self.work / "cli-home"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            '[superlink]\ndefault = "federation"\n\n[superlink.federation]\n'
+            f'address = "{self.address}"\nroot-certificates = "{self.keys / certs.CA_CERT}"\n'
+        )
+
+    def cli(self, *args: str, timeout_s: float = 120) -> str:
+        """``flwr ARGS`` against this SuperLink; its standard output."""
+        argv = [str(BIN / "flwr"), *args]
+        result = subprocess.run(
+            argv, env=environment(self.work / "cli-home"), capture_output=True, text=True, timeout=timeout_s
+        )
+        if result.returncode:
+            message = (result.stdout + result.stderr).strip().splitlines() or ["no message"]
+            raise FlowerError(f"flwr {args[0]} {args[1] if len(args) > 1 else ''}: {message[-1]}")
+        return result.stdout
+
+    def register(self, public_key: Path) -> int:
+        """Admit the SuperNode holding the private half of ``public_key``; its node id."""
+        answer = json.loads(self.cli("supernode", "register", str(public_key), "federation", "--format", "json"))
+        if "node-id" not in answer:
+            raise FlowerError(f"{public_key} could not be registered with the SuperLink: {answer}")
+        return int(answer["node-id"])
+
+    def run(self, config: dict[str, object], timeout_s: float) -> tuple[int, str]:
+        """Run the clipforge app with ``config`` (its run config) to the end; its run id and final status."""
+        override = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
+        answer = self.cli("run", str(APP), "federation", "--format", "json", "--run-config", override)
+        run_id = int(json.loads(answer)["run-id"])
+        deadline = time.monotonic() + timeout_s
+        status = ""
+        while time.monotonic() < deadline:
+            runs = json.loads(self.cli("ls", "federation", "--run-id", str(run_id), "--format", "json"))["runs"]
+            status = runs[0]["status"]
+            if status.startswith("finished"):
+                break
+            time.sleep(1.0)
+        logs = self.cli("log", str(run_id), "federation", "--show")
+        (self.work / "logs" / f"run-{run_id}.log").write_text(logs)
+        return run_id, status
+
+    def refusals(self) -> list[str]:
+        """The lines in which the SuperLink refused a SuperNode (an unknown key, or none)."""
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            text = f.read().decode(errors="replace")
+        return [line for line in text.splitlines() if "ApiError:200" in line]
+
+
+class SuperNode(Process):
+    """A client: trusts the federation's CA, signs in with its own key, trains on its own data."""
+
+    def __init__(
+        self, index: int, key: Path, ca: Path, superlink: str, node_config: dict[str, object], port: int, work: Path
+    ) -> None:
+        config = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
+        argv = [str(BIN / "flower-supernode"), "--superlink", superlink, "--root-certificates", str(ca)]
+        argv += ["--auth-supernode-private-key", str(key), "--node-config", config, "--port", str(port)]
+        argv += ["--max-retries", "3", "--max-wait-time", "60"]
+        super().__init__(f"supernode-{index}", argv, Path(work) / f"supernode-{index}-home", Path(work) / "logs")
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        wait_for_line(self.log, r"SuperNode ID: \d+", timeout_s, self.process, self.since)

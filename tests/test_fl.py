@@ -1,0 +1,108 @@
+"""Federated training on Flower with real processes on this host: a SuperLink with TLS, authenticated SuperNodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from clipforge.hpc.distenv import free_port
+from clipforge.models.builders import create_model, load_weights
+from clipforge.ps import certs
+from clipforge.ps.flower import SuperLink, SuperNode
+
+TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
+
+
+def federation(store: Path, run: Path, *extra: str, wait: bool = True):
+    argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
+    argv += ["--executor", "debug", "--clients", "2", *TINY, *extra]
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_directory(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    first = federation(tiny_store, run, "--rounds", "2", wait=False)
+    deadline = time.monotonic() + 300
+    while not (run / "rounds" / "round-00001.safetensors").exists():
+        assert first.poll() is None and time.monotonic() < deadline, "the federation ended before its first round"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the server, its SuperNodes and the run, all at once
+    first.wait()
+    again = federation(tiny_store, run, "--rounds", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
+    assert "resuming the federation after round 1 of 2" in logs, logs[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "round"] == [1, 2]  # round 1 once: its rerun did not happen
+    assert sorted(p.name for p in (run / "rounds").iterdir()) == ["round-00001.safetensors", "round-00002.safetensors"]
+    # The final weights are the last round's global model, and load strictly into the plain model.
+    model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
+    load_weights(model, run / "final" / "model.safetensors")
+    from safetensors.torch import load_file
+
+    last = load_file(str(run / "rounds" / "round-00002.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in last.items())
+    record = json.loads((run / "final" / "run.json").read_text())
+    assert record["steps"] == 2 and "video_top1" in record["metrics"]
+    assert "federation of 2 clients finished 2 rounds" in again.stderr
+
+
+def test_only_registered_supernodes_that_trust_the_federations_ca_join(tmp_path: Path) -> None:
+    keys, other = tmp_path / "keys", tmp_path / "other-ca"
+    certs.make_certs(keys, 2)
+    certs.make_certs(other, 1)
+    superlink = SuperLink(keys, free_port(), tmp_path / "flower")
+    nodes = []
+    try:
+        superlink.register(certs.client_public_key(keys, 0))
+        config = {"store": "unused", "partition-id": 0}
+        known = SuperNode(
+            0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+        )
+        unknown = SuperNode(
+            1, certs.client_key(keys, 1), keys / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+        )
+        stranger = SuperNode(
+            2, certs.client_key(keys, 0), other / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+        )
+        nodes = [known, unknown, stranger]
+        known.wait_ready()
+        assert unknown.process.wait(timeout=120) != 0 and stranger.process.wait(timeout=120) != 0
+        assert known.process.poll() is None  # the registered one stays in the federation
+        refused = superlink.refusals()
+        assert len(refused) == 1 and "No SuperNode found with the given public key" in refused[0], refused
+        assert "CERTIFICATE_VERIFY_FAILED" in stranger.log.read_text()  # it would not trust another CA's server
+    finally:
+        for node in nodes:
+            node.stop()
+        superlink.stop()
+
+
+def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_gets_what(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    argv = [sys.executable, "-m", "clipforge.jobs.cli", "fl", "certs", str(tmp_path), "--clients", "3"]
+    result = subprocess.run([*argv, "--host", "fl.example.org"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ca = x509.load_pem_x509_certificate((tmp_path / certs.CA_CERT).read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / certs.SERVER_CERT).read_bytes())
+    server.verify_directly_issued_by(ca)
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    assert sorted(p.name for p in tmp_path.glob("client-*.key")) == ["client-0.key", "client-1.key", "client-2.key"]
+    assert "client 2 (SuperNode)" in result.stdout and "keep" in result.stdout
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    subprocess.run([*argv, "--clients", "4"], check=True, capture_output=True)  # one more client, the rest kept
+    assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
+    assert (tmp_path / "client-3.key").exists()
