@@ -79,6 +79,14 @@ class Config:
     """Clips per local step."""
     shares: Literal["iid", "by_class"] = "iid"
     """How the store's training clips are divided among the clients: at random, or by class (non-IID)."""
+    secagg: bool = False
+    """Sum the clients' updates under Flower's SecAgg+: the server learns only their sum."""
+    secagg_quantization_range: int = 2**22
+    """SecAgg+: levels each weight is quantised into over [-clipping range, clipping range]."""
+    secagg_clipping_range: float = 8.0
+    """SecAgg+: every weight is clipped to [-range, range] before quantisation."""
+    secagg_may_drop: float = 0.0
+    """SecAgg+: the share of a round's clients that may drop after masking without stopping the round."""
     certs: Path | None = None
     """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
     port: int = 0
@@ -110,6 +118,8 @@ def check(cfg: Config) -> None:
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
+    if not 0 <= cfg.secagg_may_drop < 1:
+        raise config.ConfigError(f"--secagg-may-drop {cfg.secagg_may_drop}: give a share in [0, 1)")
     if not 0 < cfg.client_fraction <= 1:
         raise config.ConfigError(f"--client-fraction {cfg.client_fraction}: give a share in (0, 1]")
     store = ClipStore.open(cfg.data.store)
@@ -141,6 +151,14 @@ def plan(cfg: Config) -> FederatedPlan:
         crop=cfg.data.crop,
         flip=cfg.data.flip,
         seed=cfg.seed,
+        secagg=cfg.secagg,
+        secagg_clipping_range=cfg.secagg_clipping_range,
+        secagg_quantization_range=cfg.secagg_quantization_range,
+        secagg_may_drop=cfg.secagg_may_drop,
+        # The clients here are this job's: the largest share bounds every example count.
+        secagg_max_weight=float(
+            -(-len(ClipDataset(ClipStore.open(cfg.data.store), cfg.data.train_split)) // cfg.clients)
+        ),
     )
 
 
@@ -183,7 +201,8 @@ def main(cfg: Config) -> dict | None:
             node.wait_ready()
         log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", superlink.address, len(nodes))
         plan_file = plan(cfg).write(work / "plan.json")
-        run_id, status = superlink.run({"plan": str(plan_file)}, cfg.round_timeout_s * cfg.rounds)
+        run_config = {"plan": str(plan_file), "secagg": cfg.secagg}
+        run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
     finally:
         for node in nodes:
             node.stop()

@@ -57,6 +57,17 @@ class FederatedPlan:
     flip: bool = False
     seed: int = 0
     keep_rounds: int = 2
+    secagg: bool = False
+    """Sum the updates under SecAgg+: the server learns only the sum of the clients' weighted updates."""
+    secagg_clipping_range: float = 8.0
+    """SecAgg+ clips every weight to [-range, range] before quantising it."""
+    secagg_quantization_range: int = 2**22
+    """SecAgg+ quantises [-clipping range, clipping range] into this many levels."""
+    secagg_may_drop: float = 0.0
+    """Share of a round's clients that may drop after masking without stopping the round."""
+    secagg_max_weight: float = 1000.0
+    """The largest example count a client may weigh its update by: SecAgg+ scales each update by its count over
+    this before quantising, so it should be close to the largest client's count (the error grows with it)."""
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -133,7 +144,7 @@ def serve(grid, context) -> None:
             on_fit_config_fn=round_config,
         )
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=plan.rounds - done), strategy=strategy)
-        DefaultWorkflow()(grid, legacy)
+        DefaultWorkflow(fit_workflow=_secagg_workflow(plan) if plan.secagg else None)(grid, legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
     metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
@@ -141,6 +152,28 @@ def serve(grid, context) -> None:
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+
+
+def _secagg_workflow(plan: FederatedPlan):
+    """Flower's SecAgg+ fit workflow: every sampled client shares its masks with all the others."""
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    return SecAggPlusWorkflow(
+        num_shares=1.0,  # a share of the sampled clients: all of them
+        reconstruction_threshold=max(1.0 - plan.secagg_may_drop, 0.01),
+        clipping_range=plan.secagg_clipping_range,
+        quantization_range=plan.secagg_quantization_range,
+        max_weight=plan.secagg_max_weight,
+    )
+
+
+def maybe_secagg(message, context, call_next):
+    """The ClientApp's mod: Flower's secaggplus_mod when the run asks for SecAgg+, the plain exchange otherwise."""
+    from flwr.client.mod import secaggplus_mod
+
+    if bool(context.run_config.get("secagg", False)):
+        return secaggplus_mod(message, context, call_next)
+    return call_next(message, context)
 
 
 class _Client:

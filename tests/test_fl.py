@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from clipforge.hpc.distenv import free_port
 from clipforge.models.builders import create_model, load_weights
+from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
@@ -28,10 +32,10 @@ def federation(store: Path, run: Path, *extra: str, wait: bool = True):
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
 
 
-def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_directory(
-    tiny_store: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def resumed(tiny_store: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A federation of 2 clients over 2 rounds, killed after its first round and started again."""
+    run = tmp_path_factory.mktemp("federation") / "run"
     first = federation(tiny_store, run, "--rounds", "2", wait=False)
     deadline = time.monotonic() + 300
     while not (run / "rounds" / "round-00001.safetensors").exists():
@@ -39,7 +43,11 @@ def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_direct
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)  # the server, its SuperNodes and the run, all at once
     first.wait()
-    again = federation(tiny_store, run, "--rounds", "2")
+    return run, federation(tiny_store, run, "--rounds", "2")
+
+
+def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_directory(resumed) -> None:
+    run, again = resumed
     assert again.returncode == 0, again.stderr[-3000:]
     logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
     assert "resuming the federation after round 1 of 2" in logs, logs[-3000:]
@@ -49,13 +57,31 @@ def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_direct
     # The final weights are the last round's global model, and load strictly into the plain model.
     model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
     load_weights(model, run / "final" / "model.safetensors")
-    from safetensors.torch import load_file
-
     last = load_file(str(run / "rounds" / "round-00002.safetensors"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in last.items())
     record = json.loads((run / "final" / "run.json").read_text())
     assert record["steps"] == 2 and "video_top1" in record["metrics"]
     assert "federation of 2 clients finished 2 rounds" in again.stderr
+
+
+def test_secagg_plus_gives_plain_fedavgs_global_model_within_its_quantisation_error(
+    resumed, tiny_store: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "secagg"
+    result = federation(tiny_store, run, "--rounds", "1", "--secagg")
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
+    assert "Secure aggregation completed" in logs, logs[-3000:]
+    secure = load_file(str(run / "final" / "model.safetensors"))
+    plain = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))  # the same first round, in the clear
+    # Each client's weighted update is clipped to [-c, c] and stochastically rounded to one of Q levels (an error
+    # below one level, 2c/Q); the sum of k such errors is divided by the clients' total weight, sum(n)/max_weight.
+    clips = len(ClipDataset(tiny_store, "train"))
+    k, c, levels, max_weight = 2, 8.0, 2**22, -(-clips // 2)
+    bound = k * (2 * c / levels) * max_weight / clips
+    largest = max(v.abs().max().item() for v in plain.values())
+    worst = max((secure[key] - plain[key]).abs().max().item() for key in plain)
+    assert 0 < worst <= bound + 4 * float(np.finfo(np.float32).eps) * largest, (worst, bound)
 
 
 def test_only_registered_supernodes_that_trust_the_federations_ca_join(tmp_path: Path) -> None:
