@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 from collections.abc import Mapping, MutableMapping
 
@@ -26,7 +27,14 @@ from submitit.slurm.slurm import _parse_node_list
 from .errors import UserError
 
 PORT_BASE = 20000
-PORT_SPAN = 40000
+PORT_SPAN = 12000
+"""Rendezvous ports stay in 20000-31999, below Linux's ephemeral range (32768 up by default).
+
+A client that retries a not-yet-listening port inside the ephemeral range can be given that
+same port as its own source port and connect to itself (TCP simultaneous open); it then reads
+its own request back as the store's answer, and a gloo collective sized from it aborts with
+``std::bad_alloc``.
+"""
 
 
 class LaunchError(UserError):
@@ -70,9 +78,27 @@ def master_port(job_id: str | int, step_id: str | int = 0) -> int:
     return PORT_BASE + (int(job_id) * 8 + int(step_id)) % PORT_SPAN
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now, for a rendezvous started by hand (tests, benchmarks, ``mpiexec``)."""
-    with socket.socket() as sock:
+    """A TCP port nobody listens on now, for a rendezvous started by hand (tests, benchmarks, ``mpiexec``).
+
+    Drawn below the ephemeral range (see ``PORT_SPAN``), so no client's own source port can be it.
+    """
+    top = min(PORT_BASE + PORT_SPAN, _ephemeral_low())
+    for port in random.Random().sample(range(PORT_BASE, top), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a crowded host: fall back to one the kernel picks
         sock.bind((host, 0))
         return sock.getsockname()[1]
 

@@ -49,7 +49,7 @@ from clipforge.models.builders import architecture
 from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
-from clipforge.ps import certs
+from clipforge.ps import certs, privacy
 from clipforge.ps.federated import FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
 from clipforge.rundir import RunDir
@@ -87,6 +87,15 @@ class Config:
     """SecAgg+: every weight is clipped to [-range, range] before quantisation."""
     secagg_may_drop: float = 0.0
     """SecAgg+: the share of a round's clients that may drop after masking without stopping the round."""
+    dp_noise_multiplier: float = 0.0
+    """Client-level differential privacy: each client clips its update to --dp-clipping-norm and the server adds
+    Gaussian noise of this many clipping norms to their sum (0: off). Epsilon is in every round's metrics."""
+    dp_clipping_norm: float = 1.0
+    """L2 norm each client's update is clipped to."""
+    dp_delta: float = 1e-5
+    """Delta at which the accountant states epsilon."""
+    dp_target_epsilon: float | None = None
+    """Privacy budget: the federation stops at the last round whose epsilon stays within it, and says so."""
     certs: Path | None = None
     """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
     port: int = 0
@@ -118,6 +127,16 @@ def check(cfg: Config) -> None:
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
+    if cfg.dp_noise_multiplier < 0 or cfg.dp_clipping_norm <= 0 or not 0 < cfg.dp_delta < 1:
+        raise config.ConfigError(
+            "--dp-noise-multiplier must be 0 or more, --dp-clipping-norm positive, --dp-delta in (0, 1)"
+        )
+    if cfg.dp_target_epsilon is not None and budgeted_rounds(cfg) == 0:
+        first = privacy.epsilon(cfg.dp_noise_multiplier, cfg.client_fraction, 1, cfg.dp_delta)
+        raise config.ConfigError(
+            f"--dp-target-epsilon {cfg.dp_target_epsilon}: one round already spends epsilon {first:.3g}; raise "
+            "the budget or --dp-noise-multiplier"
+        )
     if not 0 <= cfg.secagg_may_drop < 1:
         raise config.ConfigError(f"--secagg-may-drop {cfg.secagg_may_drop}: give a share in [0, 1)")
     if not 0 < cfg.client_fraction <= 1:
@@ -135,14 +154,24 @@ def check(cfg: Config) -> None:
         )
 
 
+def budgeted_rounds(cfg: Config) -> int:
+    """The rounds the privacy budget allows (all of them without a budget)."""
+    if cfg.dp_target_epsilon is None or cfg.dp_noise_multiplier <= 0:
+        return cfg.rounds if cfg.dp_target_epsilon is None else 0
+    return privacy.rounds_within(
+        cfg.dp_target_epsilon, cfg.dp_noise_multiplier, cfg.client_fraction, cfg.rounds, cfg.dp_delta
+    )
+
+
 def plan(cfg: Config) -> FederatedPlan:
     return FederatedPlan(
         run_dir=str(cfg.run_dir.resolve()),
         store=str(Path(cfg.data.store).resolve()),
         model=cfg.model.name,
         overrides=cfg.model.overrides(),
-        rounds=cfg.rounds,
+        rounds=budgeted_rounds(cfg),
         min_clients=cfg.min_clients if cfg.min_clients is not None else cfg.clients,
+        clients=cfg.clients,
         client_fraction=cfg.client_fraction,
         local_epochs=cfg.local_epochs,
         lr=cfg.lr,
@@ -152,6 +181,9 @@ def plan(cfg: Config) -> FederatedPlan:
         flip=cfg.data.flip,
         seed=cfg.seed,
         secagg=cfg.secagg,
+        dp_noise_multiplier=cfg.dp_noise_multiplier,
+        dp_clipping_norm=cfg.dp_clipping_norm,
+        dp_delta=cfg.dp_delta,
         secagg_clipping_range=cfg.secagg_clipping_range,
         secagg_quantization_range=cfg.secagg_quantization_range,
         secagg_may_drop=cfg.secagg_may_drop,
@@ -182,6 +214,19 @@ def main(cfg: Config) -> dict | None:
     if env.world_size > 1:
         raise FlowerError("fl_train runs its federation from one task for now; start it with one task (--ntasks 1)")
     run.write_config(config.to_dict(cfg))
+    within = budgeted_rounds(cfg)
+    if within < cfg.rounds:
+        spent = privacy.epsilon(cfg.dp_noise_multiplier, cfg.client_fraction, within, cfg.dp_delta)
+        log.warning(
+            "the privacy budget (epsilon %g at delta %g) allows %d of the %d rounds: the federation stops after "
+            "round %d, at epsilon %.3g",
+            cfg.dp_target_epsilon,
+            cfg.dp_delta,
+            within,
+            cfg.rounds,
+            within,
+            spent,
+        )
     if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists():
         certs.make_certs(cfg.keys, cfg.clients)
     started = time.monotonic()
@@ -201,7 +246,7 @@ def main(cfg: Config) -> dict | None:
             node.wait_ready()
         log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", superlink.address, len(nodes))
         plan_file = plan(cfg).write(work / "plan.json")
-        run_config = {"plan": str(plan_file), "secagg": cfg.secagg}
+        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": cfg.dp_noise_multiplier > 0}
         run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
     finally:
         for node in nodes:

@@ -31,6 +31,7 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
 
+from . import privacy
 from .worker import Augment, partition
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class FederatedPlan:
     rounds: int
     min_clients: int
     """Clients a round waits for (and samples at least)."""
+    clients: int
     client_fraction: float
     local_epochs: int
     lr: float
@@ -65,6 +67,12 @@ class FederatedPlan:
     """SecAgg+ quantises [-clipping range, clipping range] into this many levels."""
     secagg_may_drop: float = 0.0
     """Share of a round's clients that may drop after masking without stopping the round."""
+    dp_noise_multiplier: float = 0.0
+    """Client-level differential privacy: Gaussian noise of this many clipping norms on the sum of updates (0: off)."""
+    dp_clipping_norm: float = 1.0
+    """Each client's update (its weights minus the global ones) is clipped to this L2 norm."""
+    dp_delta: float = 1e-5
+    """The delta at which the accountant states epsilon."""
     secagg_max_weight: float = 1000.0
     """The largest example count a client may weigh its update by: SecAgg+ scales each update by its count over
     this before quantising, so it should be close to the largest client's count (the error grows with it)."""
@@ -108,6 +116,9 @@ def serve(grid, context) -> None:
         metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
         run.save_round(finished, state, plan.keep_rounds)
         row = {"kind": "round", "step": finished, "loss": metrics["loss"], "video_top1": metrics["video_top1"]}
+        if plan.dp_noise_multiplier > 0:
+            row["epsilon"] = privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, finished, plan.dp_delta)
+            row["delta"] = plan.dp_delta
         run.append_metrics({**row, "seconds": time.time() - started})
         print(
             f"round {finished}/{plan.rounds}: {plan.eval_split} loss {metrics['loss']:.4f}, "
@@ -133,6 +144,7 @@ def serve(grid, context) -> None:
             "seed": plan.seed,
         }
 
+    sampled = max(plan.min_clients, round(plan.client_fraction * plan.clients))  # as FedAvg samples
     if done < plan.rounds:
         strategy = FedAvg(
             fraction_fit=plan.client_fraction,
@@ -143,15 +155,46 @@ def serve(grid, context) -> None:
             evaluate_fn=after_round,
             on_fit_config_fn=round_config,
         )
+        if plan.dp_noise_multiplier > 0:
+            from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping
+
+            # Clipping on the clients (their mod), noise on the sum: compatible with SecAgg+.
+            strategy = DifferentialPrivacyClientSideFixedClipping(
+                strategy, plan.dp_noise_multiplier, plan.dp_clipping_norm, sampled
+            )
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=plan.rounds - done), strategy=strategy)
         DefaultWorkflow(fit_workflow=_secagg_workflow(plan) if plan.secagg else None)(grid, legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
     metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
     record = RunRecord.of_run(plan.model, plan.overrides, store, plan.crop, metrics, rounds, dist_env())
+    record.federated = summary(plan, rounds)
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+
+
+def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
+    """The run record's account of the federation: engine, rounds, clients, aggregation and privacy."""
+    out: dict[str, Any] = {
+        "engine": "flower",
+        "strategy": "FedAvg",
+        "rounds": rounds,
+        "clients": plan.clients,
+        "client_fraction": plan.client_fraction,
+        "local_epochs": plan.local_epochs,
+        "aggregation": "SecAgg+" if plan.secagg else "in the clear",
+    }
+    if plan.dp_noise_multiplier > 0:
+        out["differential_privacy"] = {
+            "level": "client",
+            "noise_multiplier": plan.dp_noise_multiplier,
+            "clipping_norm": plan.dp_clipping_norm,
+            "delta": plan.dp_delta,
+            "epsilon": privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, rounds, plan.dp_delta),
+            "accountant": "RDP (dp-accounting), Poisson sampling at the client fraction",
+        }
+    return out
 
 
 def _secagg_workflow(plan: FederatedPlan):
@@ -165,6 +208,15 @@ def _secagg_workflow(plan: FederatedPlan):
         quantization_range=plan.secagg_quantization_range,
         max_weight=plan.secagg_max_weight,
     )
+
+
+def maybe_clip(message, context, call_next):
+    """The ClientApp's mod: Flower's fixedclipping_mod (clip the update) when the run asks for client-level DP."""
+    from flwr.client.mod import fixedclipping_mod
+
+    if bool(context.run_config.get("dp", False)):
+        return fixedclipping_mod(message, context, call_next)
+    return call_next(message, context)
 
 
 def maybe_secagg(message, context, call_next):

@@ -47,6 +47,7 @@ def model_card(r: dict[str, Any]) -> str:
             + ", ".join(f"{c} {v:.2f}" if v is not None else f"{c} n/a" for c, v in per_class.items()),
             "",
         ]
+    lines += _federation(r.get("federated"))
     lines += [
         "## Data",
         "",
@@ -70,6 +71,31 @@ def model_card(r: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _federation(fed: dict[str, Any] | None) -> list[str]:
+    """How a federated model trained, and the privacy it promises (epsilon at delta), for the card."""
+    if not fed:
+        return []
+    lines = [
+        "## Federated training",
+        "",
+        f"{fed.get('strategy', 'FedAvg')} on {fed.get('engine', 'flower')}: {fed['rounds']} rounds over "
+        f"{fed['clients']} clients ({fed.get('client_fraction', 1.0):g} of them a round), updates aggregated "
+        f"{fed.get('aggregation', 'in the clear')}.",
+        "",
+    ]
+    dp = fed.get("differential_privacy")
+    if dp:
+        lines += [
+            f"Client-level differential privacy: ({dp['epsilon']:.3g}, {dp['delta']:g})-DP, from noise multiplier "
+            f"{dp['noise_multiplier']:g} on updates clipped to L2 norm {dp['clipping_norm']:g} "
+            f"({dp.get('accountant', 'RDP accountant')}).",
+            "",
+        ]
+    else:
+        lines += ["No differential privacy: the weights carry no formal privacy guarantee.", ""]
+    return lines
 
 
 def review_text(

@@ -253,6 +253,9 @@ class Registry:
                     "code_commit": run.code_commit,
                     "slurm_job_id": run.slurm_job_id,
                 }
+                for how in ("parameter_server", "federated"):  # how it trained, when not the plain trainer
+                    if getattr(run, how) is not None:
+                        record[how] = getattr(run, how)
                 repo.git.checkout("-B", ref.branch, "origin/main")
                 folder = Path(repo.working_tree_dir) / name
                 folder.mkdir(exist_ok=True)

@@ -132,3 +132,43 @@ def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_g
     subprocess.run([*argv, "--clients", "4"], check=True, capture_output=True)  # one more client, the rest kept
     assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
     assert (tmp_path / "client-3.key").exists()
+
+
+def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_epsilon(
+    resumed, tiny_store: Path, tmp_path: Path
+) -> None:
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    run = tmp_path / "dp"
+    # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
+    sigma, clip, clients = 1e-6, 1e4, 2
+    result = federation(
+        tiny_store, run, "--rounds", "1", "--dp-noise-multiplier", str(sigma), "--dp-clipping-norm", str(clip)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    noised = load_file(str(run / "final" / "model.safetensors"))
+    clear = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))
+    noise = torch.cat([(noised[k] - clear[k]).flatten() for k in clear])
+    assert abs(noise.std().item() / (sigma * clip / clients) - 1) < 0.01 and abs(noise.mean().item()) < 1e-4
+    row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(sigma)))
+    assert row["epsilon"] == accountant.get_epsilon(1e-5) and row["delta"] == 1e-5
+    record = json.loads((run / "final" / "run.json").read_text())["federated"]
+    assert record["differential_privacy"]["epsilon"] == row["epsilon"] and record["rounds"] == 1
+
+
+def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_store: Path) -> None:
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import fl_train
+    from clipforge.ps import privacy
+
+    base = ["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp-noise-multiplier", "1.0"]
+    target = (privacy.epsilon(1.0, 1.0, 2, 1e-5) + privacy.epsilon(1.0, 1.0, 3, 1e-5)) / 2  # between rounds 2 and 3
+    cfg = fl_train.parse([*base, "--dp-target-epsilon", str(target)])
+    fl_train.check(cfg)
+    assert fl_train.plan(cfg).rounds == 2
+    too_small = fl_train.parse([*base, "--dp-target-epsilon", "0.01"])
+    with pytest.raises(job_config.ConfigError, match="one round already spends epsilon"):
+        fl_train.check(too_small)

@@ -36,6 +36,7 @@ def make_run(
     lr: float = 1e-3,
     nudge: str | None = None,
     store_sha: str = "ab" * 32,
+    federated: dict | None = None,
 ) -> Path:
     """A finished run directory, written by the run directory's own writer as jobs/train.py leaves it.
 
@@ -64,6 +65,7 @@ def make_run(
         world_size=2,
         code_commit="0123abc",
         slurm_job_id="4242",
+        federated=federated,
     )
     run = RunDir(folder)
     run.write_config({"steps": 100, "optim": {"lr": lr}})
@@ -203,6 +205,18 @@ def test_review_shows_metric_deltas_against_the_alias(registry: Registry, tmp_pa
     assert "# clipnet v2" in text
     diff = registry.diff(Ref.parse("clipnet@v1"), Ref.parse("clipnet@v2"))
     assert diff["metrics"]["clip_top1"] == (0.5, 0.7) and diff["config"]["optim.lr"] == (0.001, 0.0005)
+
+
+def test_a_federated_models_card_states_its_privacy_guarantee(tmp_path: Path) -> None:
+    registry = Registry.init(str(tmp_path / "remote.git"))
+    dp = {"level": "client", "noise_multiplier": 1.1, "clipping_norm": 0.5, "delta": 1e-5, "epsilon": 3.21}
+    fed = {"engine": "flower", "rounds": 20, "clients": 8, "client_fraction": 0.5, "differential_privacy": dp}
+    ref = registry.push(make_run(tmp_path / "fed", 0, federated=fed), "kin")
+    plain = registry.push(make_run(tmp_path / "plain", 1), "kin")
+    assert registry.record(ref)["federated"]["differential_privacy"]["epsilon"] == 3.21
+    card = registry.card(ref)
+    assert "## Federated training" in card and "(3.21, 1e-05)-DP" in card and "20 rounds over 8 clients" in card
+    assert "Federated" not in registry.card(plain) and "federated" not in registry.record(plain)
 
 
 def test_a_pt_file_with_code_in_its_pickle_is_not_executed(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from flwr.client import ClientApp
 
-from clipforge.ps.federated import client, maybe_secagg
+from clipforge.ps.federated import client, maybe_clip, maybe_secagg
 
-app = ClientApp(client_fn=client, mods=[maybe_secagg])
+# SecAgg+ outermost: an update is clipped before it is masked.
+app = ClientApp(client_fn=client, mods=[maybe_secagg, maybe_clip])
