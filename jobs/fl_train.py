@@ -87,15 +87,9 @@ class Config:
     """SecAgg+: every weight is clipped to [-range, range] before quantisation."""
     secagg_may_drop: float = 0.0
     """SecAgg+: the share of a round's clients that may drop after masking without stopping the round."""
-    dp_noise_multiplier: float = 0.0
-    """Client-level differential privacy: each client clips its update to --dp-clipping-norm and the server adds
-    Gaussian noise of this many clipping norms to their sum (0: off). Epsilon is in every round's metrics."""
-    dp_clipping_norm: float = 1.0
-    """L2 norm each client's update is clipped to."""
-    dp_delta: float = 1e-5
-    """Delta at which the accountant states epsilon."""
-    dp_target_epsilon: float | None = None
-    """Privacy budget: the federation stops at the last round whose epsilon stays within it, and says so."""
+    proximal_mu: float = 0.0
+    """FedProx: each client's loss gains mu/2 x |w - w_global|^2, which keeps non-IID clients near the global model
+    (0: plain FedAvg)."""
     certs: Path | None = None
     """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
     port: int = 0
@@ -106,6 +100,7 @@ class Config:
     """Seed of the model's initialisation, the partition and the clients' shuffling."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
+    dp: privacy.DPSettings = dataclasses.field(default_factory=privacy.DPSettings)
     launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
     resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
         default_factory=lambda: Resources(time="04:00:00", job_name="clipforge-fl")
@@ -127,15 +122,15 @@ def check(cfg: Config) -> None:
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
-    if cfg.dp_noise_multiplier < 0 or cfg.dp_clipping_norm <= 0 or not 0 < cfg.dp_delta < 1:
+    if cfg.dp.problem():
+        raise config.ConfigError(cfg.dp.problem())
+    if cfg.proximal_mu < 0:
+        raise config.ConfigError(f"--proximal-mu {cfg.proximal_mu}: give 0 (FedAvg) or more (FedProx)")
+    if cfg.dp.target_epsilon is not None and budgeted_rounds(cfg) == 0:
+        first = privacy.epsilon(noise_multiplier(cfg), cfg.client_fraction, 1, cfg.dp.delta)
         raise config.ConfigError(
-            "--dp-noise-multiplier must be 0 or more, --dp-clipping-norm positive, --dp-delta in (0, 1)"
-        )
-    if cfg.dp_target_epsilon is not None and budgeted_rounds(cfg) == 0:
-        first = privacy.epsilon(cfg.dp_noise_multiplier, cfg.client_fraction, 1, cfg.dp_delta)
-        raise config.ConfigError(
-            f"--dp-target-epsilon {cfg.dp_target_epsilon}: one round already spends epsilon {first:.3g}; raise "
-            "the budget or --dp-noise-multiplier"
+            f"--dp.target-epsilon {cfg.dp.target_epsilon}: one round already spends epsilon {first:.3g}; raise "
+            "the budget or --dp.noise-multiplier"
         )
     if not 0 <= cfg.secagg_may_drop < 1:
         raise config.ConfigError(f"--secagg-may-drop {cfg.secagg_may_drop}: give a share in [0, 1)")
@@ -154,12 +149,17 @@ def check(cfg: Config) -> None:
         )
 
 
+def noise_multiplier(cfg: Config) -> float:
+    """The DP noise: --dp.noise-multiplier, or the least that spends --dp.target-epsilon over --rounds."""
+    return cfg.dp.noise_for(cfg.client_fraction, cfg.rounds)
+
+
 def budgeted_rounds(cfg: Config) -> int:
     """The rounds the privacy budget allows (all of them without a budget)."""
-    if cfg.dp_target_epsilon is None or cfg.dp_noise_multiplier <= 0:
-        return cfg.rounds if cfg.dp_target_epsilon is None else 0
+    if cfg.dp.target_epsilon is None:
+        return cfg.rounds
     return privacy.rounds_within(
-        cfg.dp_target_epsilon, cfg.dp_noise_multiplier, cfg.client_fraction, cfg.rounds, cfg.dp_delta
+        cfg.dp.target_epsilon, noise_multiplier(cfg), cfg.client_fraction, cfg.rounds, cfg.dp.delta
     )
 
 
@@ -181,9 +181,10 @@ def plan(cfg: Config) -> FederatedPlan:
         flip=cfg.data.flip,
         seed=cfg.seed,
         secagg=cfg.secagg,
-        dp_noise_multiplier=cfg.dp_noise_multiplier,
-        dp_clipping_norm=cfg.dp_clipping_norm,
-        dp_delta=cfg.dp_delta,
+        dp_noise_multiplier=noise_multiplier(cfg),
+        dp_clipping_norm=cfg.dp.clipping_norm,
+        dp_delta=cfg.dp.delta,
+        proximal_mu=cfg.proximal_mu,
         secagg_clipping_range=cfg.secagg_clipping_range,
         secagg_quantization_range=cfg.secagg_quantization_range,
         secagg_may_drop=cfg.secagg_may_drop,
@@ -215,13 +216,21 @@ def main(cfg: Config) -> dict | None:
         raise FlowerError("fl_train runs its federation from one task for now; start it with one task (--ntasks 1)")
     run.write_config(config.to_dict(cfg))
     within = budgeted_rounds(cfg)
+    if cfg.dp.target_epsilon is not None and cfg.dp.noise_multiplier == 0:
+        log.info(
+            "differential privacy: noise multiplier %.4g spends epsilon %g (delta %g) over %d rounds",
+            noise_multiplier(cfg),
+            cfg.dp.target_epsilon,
+            cfg.dp.delta,
+            cfg.rounds,
+        )
     if within < cfg.rounds:
-        spent = privacy.epsilon(cfg.dp_noise_multiplier, cfg.client_fraction, within, cfg.dp_delta)
+        spent = privacy.epsilon(noise_multiplier(cfg), cfg.client_fraction, within, cfg.dp.delta)
         log.warning(
             "the privacy budget (epsilon %g at delta %g) allows %d of the %d rounds: the federation stops after "
             "round %d, at epsilon %.3g",
-            cfg.dp_target_epsilon,
-            cfg.dp_delta,
+            cfg.dp.target_epsilon,
+            cfg.dp.delta,
             within,
             cfg.rounds,
             within,
@@ -246,7 +255,7 @@ def main(cfg: Config) -> dict | None:
             node.wait_ready()
         log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", superlink.address, len(nodes))
         plan_file = plan(cfg).write(work / "plan.json")
-        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": cfg.dp_noise_multiplier > 0}
+        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
         run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
     finally:
         for node in nodes:

@@ -1,7 +1,7 @@
 """Federated training on Flower: what the server and each client do in a round.
 
 The server (a Flower ServerApp) holds the global model: it starts it from the
-run directory's last round if there is one, has Flower's FedAvg sample clients
+run directory's last round if there is one, has Flower's FedAvg (FedProx with a proximal mu) sample clients
 and average their updates weighted by their examples, and after each round
 evaluates the global model, checkpoints it into the run directory and writes
 the round's metrics. A client (a Flower ClientApp on a SuperNode) builds the
@@ -73,6 +73,8 @@ class FederatedPlan:
     """Each client's update (its weights minus the global ones) is clipped to this L2 norm."""
     dp_delta: float = 1e-5
     """The delta at which the accountant states epsilon."""
+    proximal_mu: float = 0.0
+    """FedProx's mu: the weight of each client's proximal term (0: FedAvg)."""
     secagg_max_weight: float = 1000.0
     """The largest example count a client may weigh its update by: SecAgg+ scales each update by its count over
     this before quantising, so it should be close to the largest client's count (the error grows with it)."""
@@ -90,7 +92,7 @@ def serve(grid, context) -> None:
     """The ServerApp's main: FedAvg over the SuperNodes for the plan's rounds, resuming after the last saved one."""
     from flwr.common import ndarrays_to_parameters
     from flwr.server import LegacyContext, ServerConfig
-    from flwr.server.strategy import FedAvg
+    from flwr.server.strategy import FedAvg, FedProx
     from flwr.server.workflow import DefaultWorkflow
 
     plan = FederatedPlan.read(Path(str(context.run_config["plan"])))
@@ -142,11 +144,15 @@ def serve(grid, context) -> None:
             "lr": plan.lr,
             "batch": plan.batch,
             "seed": plan.seed,
+            "proximal_mu": plan.proximal_mu,
         }
 
     sampled = max(plan.min_clients, round(plan.client_fraction * plan.clients))  # as FedAvg samples
     if done < plan.rounds:
-        strategy = FedAvg(
+        algorithm = FedProx if plan.proximal_mu > 0 else FedAvg
+        extra = {"proximal_mu": plan.proximal_mu} if plan.proximal_mu > 0 else {}
+        strategy = algorithm(
+            **extra,
             fraction_fit=plan.client_fraction,
             fraction_evaluate=0.0,  # the server evaluates the global model on its own split
             min_fit_clients=plan.min_clients,
@@ -178,7 +184,7 @@ def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
     """The run record's account of the federation: engine, rounds, clients, aggregation and privacy."""
     out: dict[str, Any] = {
         "engine": "flower",
-        "strategy": "FedAvg",
+        "strategy": f"FedProx (mu {plan.proximal_mu:g})" if plan.proximal_mu > 0 else "FedAvg",
         "rounds": rounds,
         "clients": plan.clients,
         "client_fraction": plan.client_fraction,
@@ -250,7 +256,7 @@ class _Client:
         augment = Augment(crop, bool(config["flip"]), int(config["seed"]) * 1009 + self.index)
         train_locally(
             model, self.dataset, self.share, int(config["epochs"]), float(config["lr"]), int(config["batch"]),
-            int(config["round"]), augment,
+            int(config["round"]), augment, float(config.get("proximal_mu", 0.0)),
         )  # fmt: skip
         return [v.detach().numpy() for v in model.state_dict().values()], len(self.share), {}
 
@@ -277,9 +283,14 @@ def train_locally(
     batch: int,
     round_index: int,
     augment: Augment,
+    proximal_mu: float = 0.0,
 ) -> None:
-    """``epochs`` passes over ``share`` with a fresh AdamW (FedAvg clients keep no state between rounds)."""
+    """``epochs`` passes over ``share`` with a fresh AdamW (FedAvg clients keep no state between rounds).
+
+    With ``proximal_mu`` (FedProx) the loss gains mu/2 x |w - w_global|^2, w_global the weights the round began with.
+    """
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     rng = np.random.default_rng([augment.seed, round_index])
     model.train()
     for epoch in range(epochs):
@@ -289,5 +300,8 @@ def train_locally(
             clips, labels = torch.stack([c for c, _ in items]), torch.tensor([y for _, y in items])
             optimizer.zero_grad()
             step = (round_index * epochs + epoch) * len(order) + start
-            F.cross_entropy(model(augment(clips, step)), labels).backward()
+            loss = F.cross_entropy(model(augment(clips, step)), labels)
+            if anchor:
+                loss = loss + proximal_mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            loss.backward()
             optimizer.step()

@@ -9,6 +9,39 @@ accountant turns that into the epsilon spent after each round at a given delta.
 
 from __future__ import annotations
 
+import dataclasses
+
+
+@dataclasses.dataclass
+class DPSettings:
+    """Client-level differential privacy of a federation (``--dp.*``)."""
+
+    noise_multiplier: float = 0.0
+    """Each client clips its update to --dp.clipping-norm and the server adds Gaussian noise of this many
+    clipping norms to their sum (0: off, unless a budget alone is given). Epsilon is in every round's metrics and
+    in the run record."""
+    clipping_norm: float = 1.0
+    """L2 norm each client's update (its weights minus the global ones) is clipped to."""
+    delta: float = 1e-5
+    """Delta at which the accountant states epsilon."""
+    target_epsilon: float | None = None
+    """Privacy budget. With --dp.noise-multiplier, the federation stops after the last round whose epsilon stays
+    within it, and says so; alone, the noise is the least that spends it over --rounds."""
+
+    def problem(self) -> str | None:
+        """What is wrong with these settings, in one line (None: nothing)."""
+        if self.noise_multiplier < 0 or self.clipping_norm <= 0 or not 0 < self.delta < 1:
+            return "--dp.noise-multiplier must be 0 or more, --dp.clipping-norm positive, --dp.delta in (0, 1)"
+        if self.target_epsilon is not None and self.target_epsilon <= 0:
+            return f"--dp.target-epsilon {self.target_epsilon}: give a positive budget"
+        return None
+
+    def noise_for(self, sampling_rate: float, rounds: int) -> float:
+        """The noise multiplier: the one given, or, with only a budget, the least that spends it over ``rounds``."""
+        if self.noise_multiplier > 0 or self.target_epsilon is None:
+            return self.noise_multiplier
+        return calibrate(self.target_epsilon, sampling_rate, rounds, self.delta)
+
 
 def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
     """Epsilon after ``rounds`` rounds at ``delta`` (infinite without noise)."""
@@ -33,3 +66,19 @@ def rounds_within(target: float, noise_multiplier: float, sampling_rate: float, 
             break
         within = r
     return within
+
+
+def calibrate(target: float, sampling_rate: float, rounds: int, delta: float) -> float:
+    """The smallest noise multiplier (to 0.1%) whose epsilon after ``rounds`` rounds stays within ``target``.
+
+    Bisection on the accountant, as Opacus's get_noise_multiplier does; epsilon falls as the noise grows.
+    """
+    low, high = 0.0, 1.0
+    while epsilon(high, sampling_rate, rounds, delta) > target:
+        low, high = high, high * 2
+        if high > 1e4:
+            raise ValueError(f"no noise multiplier up to 1e4 keeps {rounds} rounds within epsilon {target}")
+    while high - low > 1e-3 * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if epsilon(middle, sampling_rate, rounds, delta) > target else (low, middle)
+    return high

@@ -144,7 +144,7 @@ def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_e
     # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
     sigma, clip, clients = 1e-6, 1e4, 2
     result = federation(
-        tiny_store, run, "--rounds", "1", "--dp-noise-multiplier", str(sigma), "--dp-clipping-norm", str(clip)
+        tiny_store, run, "--rounds", "1", "--dp.noise-multiplier", str(sigma), "--dp.clipping-norm", str(clip)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     noised = load_file(str(run / "final" / "model.safetensors"))
@@ -164,11 +164,33 @@ def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_
     from clipforge.jobs import fl_train
     from clipforge.ps import privacy
 
-    base = ["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp-noise-multiplier", "1.0"]
+    base = ["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp.noise-multiplier", "1.0"]
     target = (privacy.epsilon(1.0, 1.0, 2, 1e-5) + privacy.epsilon(1.0, 1.0, 3, 1e-5)) / 2  # between rounds 2 and 3
-    cfg = fl_train.parse([*base, "--dp-target-epsilon", str(target)])
+    cfg = fl_train.parse([*base, "--dp.target-epsilon", str(target)])
     fl_train.check(cfg)
     assert fl_train.plan(cfg).rounds == 2
-    too_small = fl_train.parse([*base, "--dp-target-epsilon", "0.01"])
+    too_small = fl_train.parse([*base, "--dp.target-epsilon", "0.01"])
     with pytest.raises(job_config.ConfigError, match="one round already spends epsilon"):
         fl_train.check(too_small)
+    # A budget alone: the least noise that spends it over all the rounds.
+    alone = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp.target-epsilon", "4"])
+    z = fl_train.noise_multiplier(alone)
+    assert privacy.epsilon(z, 1.0, 5, 1e-5) <= 4 < privacy.epsilon(0.99 * z, 1.0, 5, 1e-5)
+    assert fl_train.plan(alone).rounds == 5 and fl_train.plan(alone).dp_noise_multiplier == z
+
+
+def test_fedprox_keeps_the_clients_near_the_global_model(resumed, tiny_store: Path, tmp_path: Path) -> None:
+    from clipforge.models.builders import architecture
+
+    run = tmp_path / "fedprox"
+    result = federation(tiny_store, run, "--rounds", "1", "--proximal-mu", "1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+
+    def moved(weights: dict[str, torch.Tensor]) -> float:
+        return torch.cat([(weights[k] - start[k]).flatten() for k in start]).norm().item()
+
+    prox = moved(load_file(str(run / "final" / "model.safetensors")))
+    plain = moved(load_file(str(resumed[0] / "rounds" / "round-00001.safetensors")))  # FedAvg, the same round
+    assert 0 < prox < 0.5 * plain, (prox, plain)
+    assert json.loads((run / "final" / "run.json").read_text())["federated"]["strategy"] == "FedProx (mu 1000)"
