@@ -209,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
         "--host",
         action="append",
         default=None,
-        help="a name or address the server is reached at (repeat; default localhost and 127.0.0.1)",
+        help="a name or address the server is reached at (repeat; default: the certificate there, or localhost "
+        "and 127.0.0.1); a new one re-issues the server's certificate from the same CA",
     )
     keys.set_defaults(func=_fl_certs)
 
@@ -453,8 +454,8 @@ def _store_verify(args: argparse.Namespace, rest: list[str]) -> int:
 def _fl_certs(args: argparse.Namespace, rest: list[str]) -> int:
     from clipforge.ps import certs
 
-    hosts = tuple(args.host or ("localhost", "127.0.0.1"))
-    made = certs.make_certs(Path(args.folder), args.clients, hosts)
+    made = certs.make_certs(Path(args.folder), args.clients, tuple(args.host) if args.host else None)
+    hosts = sorted(certs.server_hosts(Path(args.folder)))
     print(f"{len(made)} files made in {args.folder} (server certificate for {', '.join(hosts)})")
     print("\n".join(certs.handout(Path(args.folder), args.clients)))
     return 0

@@ -10,6 +10,11 @@
 
     python jobs/fl_train.py --data.store store/ucf101 --clients 4 --rounds 20     # a SuperLink and 4 SuperNodes
     sbatch jobs/fl_train.py --data.store ... --clients 4 --cpus-per-task 5        # the same, as one Slurm task
+    python jobs/fl_train.py --data.store ... --clients 4 --nodes 5 --cluster mycluster  # a task per client
+
+With one task per client plus one (--nodes, --ntasks-per-node), the first task
+runs the SuperLink and the ServerApp, serving TLS on its node at the job's port,
+and each other task runs one client's SuperNode, wherever Slurm put it.
 
 The server is Flower's SuperLink with TLS (the federation's CA) and SuperNode
 authentication: only clients whose public keys are registered join. Each
@@ -33,6 +38,7 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
         )
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -87,6 +93,9 @@ class Config:
     """SecAgg+: every weight is clipped to [-range, range] before quantisation."""
     secagg_may_drop: float = 0.0
     """SecAgg+: the share of a round's clients that may drop after masking without stopping the round."""
+    transport: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """How clients send their updates: fp32 weights, or their change from the global model in bf16 or fp16 (half
+    the bytes up; not with --secagg, which quantises on its own, or --dp.*, whose clipping needs the weights)."""
     proximal_mu: float = 0.0
     """FedProx: each client's loss gains mu/2 x |w - w_global|^2, which keeps non-IID clients near the global model
     (0: plain FedAvg)."""
@@ -95,7 +104,8 @@ class Config:
     port: int = 0
     """The SuperLink's port (0: a free one)."""
     round_timeout_s: float = 600.0
-    """How long the job waits for the whole run before it gives up."""
+    """How long a round waits for its clients' answers: a client that has not answered by then (a lost node) is
+    left out, and the round goes on if --min-clients answered."""
     seed: int = 0
     """Seed of the model's initialisation, the partition and the clients' shuffling."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
@@ -122,6 +132,16 @@ def check(cfg: Config) -> None:
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
+    if cfg.resources.ntasks not in (1, cfg.clients + 1):
+        raise config.ConfigError(
+            f"{cfg.resources.ntasks} tasks for {cfg.clients} clients: give one task for the whole federation, or one "
+            f"for the server and one per client (e.g. --nodes {cfg.clients + 1} --ntasks-per-node 1)"
+        )
+    if cfg.transport != "fp32" and (cfg.secagg or cfg.dp.noise_multiplier > 0 or cfg.dp.target_epsilon is not None):
+        raise config.ConfigError(
+            f"--transport {cfg.transport} goes with plain FedAvg or FedProx only: SecAgg+ quantises the updates itself "
+            "and DP clips the full weights; drop --transport or --secagg/--dp.*"
+        )
     if cfg.dp.problem():
         raise config.ConfigError(cfg.dp.problem())
     if cfg.proximal_mu < 0:
@@ -185,6 +205,8 @@ def plan(cfg: Config) -> FederatedPlan:
         dp_clipping_norm=cfg.dp.clipping_norm,
         dp_delta=cfg.dp.delta,
         proximal_mu=cfg.proximal_mu,
+        round_timeout_s=cfg.round_timeout_s,
+        transport=cfg.transport,
         secagg_clipping_range=cfg.secagg_clipping_range,
         secagg_quantization_range=cfg.secagg_quantization_range,
         secagg_may_drop=cfg.secagg_may_drop,
@@ -210,11 +232,71 @@ def node_config(cfg: Config, index: int) -> dict[str, object]:
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank if env.world_size > 1 else None)
+    if env.world_size not in (1, cfg.clients + 1):
+        raise FlowerError(
+            f"{env.world_size} tasks for {cfg.clients} clients: give one task for the whole federation, or one for "
+            f"the server and one per client ({cfg.clients + 1})"
+        )
+    if env.world_size > 1 and env.rank > 0:
+        return client_task(cfg, env.rank - 1, env.job_id, env.restart_count)
     run = RunDir(cfg.run_dir).prepare()
     work = run.root / "flower"
-    if env.world_size > 1:
-        raise FlowerError("fl_train runs its federation from one task for now; start it with one task (--ntasks 1)")
     run.write_config(config.to_dict(cfg))
+    announce_budget(cfg)
+    started = time.monotonic()
+    if env.world_size == 1:  # the server and every client in this task
+        if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists():
+            certs.make_certs(cfg.keys, cfg.clients)
+        superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
+        address = superlink.address
+    else:  # this task serves; the other tasks, on whichever nodes Slurm gave them, are the clients
+        ensure_certs(cfg, env.master_addr)
+        superlink = SuperLink(cfg.keys, cfg.port or env.master_port, work, listen="0.0.0.0")
+        address = f"{env.master_addr}:{cfg.port or env.master_port}"
+    nodes: list[SuperNode] = []
+    status, run_id = "not started", None
+    try:
+        for i in range(cfg.clients):
+            superlink.register(certs.client_public_key(cfg.keys, i))
+        if env.world_size == 1:
+            for i in range(cfg.clients):
+                nodes.append(
+                    SuperNode(
+                        i, certs.client_key(cfg.keys, i), cfg.keys / certs.CA_CERT, address, node_config(cfg, i),
+                        free_port(), work,
+                    )
+                )  # fmt: skip
+            for node in nodes:
+                node.wait_ready()
+            log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", address, len(nodes))
+        else:
+            _signal(work, "superlink", env.job_id, env.restart_count, address)
+            log.info("SuperLink at %s (TLS); %d client tasks join it", address, cfg.clients)
+        plan_file = plan(cfg).write(work / "plan.json")
+        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
+        run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
+    finally:
+        if env.world_size > 1:
+            _signal(work, "finished", env.job_id, env.restart_count, status)
+        for node in nodes:
+            node.stop()
+        superlink.stop()
+    if status != "finished:completed":
+        raise FlowerError(f"federated run {run_id} ended {status}; its log: {work / 'logs' / f'run-{run_id}.log'}")
+    record = run.record()
+    log.info(
+        "federation of %d clients finished %d rounds in %.0f s: video top-1 %.3f; weights in %s",
+        cfg.clients,
+        record.steps,
+        time.monotonic() - started,
+        record.metrics["video_top1"],
+        run.weights,
+    )
+    return {"rounds": record.steps, "metrics": record.metrics, "weights": str(run.weights)}
+
+
+def announce_budget(cfg: Config) -> None:
+    """Say what the privacy budget does to this federation: the noise it set, or the rounds it cuts."""
     within = budgeted_rounds(cfg)
     if cfg.dp.target_epsilon is not None and cfg.dp.noise_multiplier == 0:
         log.info(
@@ -236,43 +318,61 @@ def main(cfg: Config) -> dict | None:
             within,
             spent,
         )
-    if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists():
-        certs.make_certs(cfg.keys, cfg.clients)
-    started = time.monotonic()
-    superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
-    nodes: list[SuperNode] = []
+
+
+def ensure_certs(cfg: Config, host: str) -> None:
+    """Keys for every client and a server certificate valid for ``host``, the node the clients reach."""
+    hosts = ("localhost", "127.0.0.1", host)
+    missing = not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists()
+    if missing or not set(hosts) <= certs.server_hosts(cfg.keys):
+        if (cfg.keys / certs.CA_CERT).exists() and not (cfg.keys / certs.CA_KEY).exists():
+            raise FlowerError(
+                f"the server certificate in {cfg.keys} is not valid for {host}, where this job's server runs, and "
+                f"the CA key is not there to make one: run `clipforge fl certs {cfg.keys} --host {host}` where it is"
+            )
+        certs.make_certs(cfg.keys, cfg.clients, hosts)
+
+
+def _signal(work: Path, name: str, job: str | None, restarts: int, value: str) -> None:
+    """A note on the shared file system from the server task to the client tasks of the same job start."""
+    tmp = work / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"job": job, "restarts": restarts, "value": value}))
+    tmp.replace(work / f"{name}.json")
+
+
+def _wait_signal(work: Path, name: str, job: str | None, restarts: int, timeout_s: float | None) -> str | None:
+    """The value of the server task's note ``name`` for this job start, once it is there (None after the timeout)."""
+    path, deadline = work / f"{name}.json", None if timeout_s is None else time.monotonic() + timeout_s
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            note = json.loads(path.read_text())
+            if note["job"] == job and note["restarts"] == restarts:
+                return str(note["value"])
+        except (OSError, ValueError, KeyError):
+            pass  # not written yet, or a previous job's
+        time.sleep(0.5)
+    return None
+
+
+def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None:
+    """A Slurm task that is client ``index``: one SuperNode that joins the job's SuperLink and trains until it ends."""
+    work = Path(cfg.run_dir) / "flower"
+    address = _wait_signal(work, "superlink", job, restarts, timeout_s=600)
+    if address is None:
+        raise FlowerError(f"client {index}: the server task did not start its SuperLink within 600 s; see its log")
+    node = SuperNode(
+        index, certs.client_key(cfg.keys, index), cfg.keys / certs.CA_CERT, address, node_config(cfg, index),
+        free_port(), work,
+    )  # fmt: skip
     try:
-        for i in range(cfg.clients):
-            superlink.register(certs.client_public_key(cfg.keys, i))
-        for i in range(cfg.clients):
-            nodes.append(
-                SuperNode(
-                    i, certs.client_key(cfg.keys, i), cfg.keys / certs.CA_CERT, superlink.address,
-                    node_config(cfg, i), free_port(), work,
-                )
-            )  # fmt: skip
-        for node in nodes:
-            node.wait_ready()
-        log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", superlink.address, len(nodes))
-        plan_file = plan(cfg).write(work / "plan.json")
-        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
-        run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
+        node.wait_ready()
+        log.info("client %d: SuperNode joined %s", index, address)
+        while node.process.poll() is None:
+            if _wait_signal(work, "finished", job, restarts, timeout_s=2.0) is not None:
+                break
     finally:
-        for node in nodes:
-            node.stop()
-        superlink.stop()
-    if status != "finished:completed":
-        raise FlowerError(f"federated run {run_id} ended {status}; its log: {work / 'logs' / f'run-{run_id}.log'}")
-    record = run.record()
-    log.info(
-        "federation of %d clients finished %d rounds in %.0f s: video top-1 %.3f; weights in %s",
-        cfg.clients,
-        record.steps,
-        time.monotonic() - started,
-        record.metrics["video_top1"],
-        run.weights,
-    )
-    return {"rounds": record.steps, "metrics": record.metrics, "weights": str(run.weights)}
+        node.stop()
+    return None
 
 
 SPEC = JobSpec("clipforge.jobs.fl_train", parse, main, check=check)

@@ -35,11 +35,13 @@ def client_public_key(folder: Path, index: int) -> Path:
     return Path(folder) / f"client-{index}.key.pub"
 
 
-def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> list[Path]:
+def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] | None = None) -> list[Path]:
     """A CA, the server's certificate for ``hosts`` and ``clients`` client key pairs in ``folder``; the files made.
 
-    An existing CA and server certificate are kept (so clients added later trust the same server);
-    existing client keys are kept too.
+    An existing CA is kept (so clients added later trust the same server), and so is the server's certificate
+    while it covers ``hosts``; otherwise a new one from the same CA covers its old names and ``hosts``.
+    Without ``hosts``: the certificate there, or a new one for localhost and 127.0.0.1.
+    Existing client keys are kept too.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -84,7 +86,13 @@ def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] = ("localhost"
         write(folder / CA_CERT, ca.public_bytes(serialization.Encoding.PEM), 0o644)
     ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
     ca = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
-    if not (folder / SERVER_CERT).exists():
+    covered = server_hosts(folder)
+    if hosts is None:
+        hosts = tuple(sorted(covered)) or ("localhost", "127.0.0.1")
+    if not set(hosts) <= covered:
+        # A new address for the server (a Slurm job's node): a new server certificate from the same CA,
+        # for the old names and the new; clients trust the CA, so their keys stay as they are.
+        hosts = tuple(dict.fromkeys([*hosts, *sorted(covered)]))
         key = ec.generate_private_key(ec.SECP384R1())
         names = [
             x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in dict.fromkeys(hosts)
@@ -115,6 +123,21 @@ def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] = ("localhost"
         write(client_key(folder, i), openssh, 0o600)
         write(client_public_key(folder, i), public + b"\n", 0o644)
     return made
+
+
+def server_hosts(folder: Path) -> set[str]:
+    """The names and addresses the server's certificate in ``folder`` is valid for (none without one)."""
+    from cryptography import x509
+
+    path = Path(folder) / SERVER_CERT
+    if not path.exists():
+        return set()
+    names = x509.load_pem_x509_certificate(path.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    return {str(n) for n in names.value.get_values_for_type(x509.DNSName)} | {
+        str(n) for n in names.value.get_values_for_type(x509.IPAddress)
+    }
 
 
 def handout(folder: Path, clients: int) -> list[str]:

@@ -75,6 +75,10 @@ class FederatedPlan:
     """The delta at which the accountant states epsilon."""
     proximal_mu: float = 0.0
     """FedProx's mu: the weight of each client's proximal term (0: FedAvg)."""
+    round_timeout_s: float = 600.0
+    """How long a round waits for the sampled clients' answers before it goes on with those it has."""
+    transport: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """How clients send their updates: fp32 weights, or their change from the global weights in bf16 or fp16."""
     secagg_max_weight: float = 1000.0
     """The largest example count a client may weigh its update by: SecAgg+ scales each update by its count over
     this before quantising, so it should be close to the largest client's count (the error grows with it)."""
@@ -145,6 +149,7 @@ def serve(grid, context) -> None:
             "batch": plan.batch,
             "seed": plan.seed,
             "proximal_mu": plan.proximal_mu,
+            "transport": plan.transport,
         }
 
     sampled = max(plan.min_clients, round(plan.client_fraction * plan.clients))  # as FedAvg samples
@@ -161,6 +166,8 @@ def serve(grid, context) -> None:
             evaluate_fn=after_round,
             on_fit_config_fn=round_config,
         )
+        if plan.transport != "fp32":
+            strategy = half_transport(strategy)
         if plan.dp_noise_multiplier > 0:
             from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping
 
@@ -168,7 +175,8 @@ def serve(grid, context) -> None:
             strategy = DifferentialPrivacyClientSideFixedClipping(
                 strategy, plan.dp_noise_multiplier, plan.dp_clipping_norm, sampled
             )
-        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=plan.rounds - done), strategy=strategy)
+        rounds_left = ServerConfig(num_rounds=plan.rounds - done, round_timeout=plan.round_timeout_s)
+        legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
         DefaultWorkflow(fit_workflow=_secagg_workflow(plan) if plan.secagg else None)(grid, legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
@@ -178,6 +186,70 @@ def serve(grid, context) -> None:
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+
+
+def encode(weights: np.ndarray, start: np.ndarray, transport: str) -> np.ndarray:
+    """A client's update to one array for a half-precision transport: its change from the round's global weights,
+    rounded by torch to bf16 (sent as the raw 16 bits, which numpy has no type for) or fp16. Integer arrays go
+    as they are."""
+    if not np.issubdtype(weights.dtype, np.floating):
+        return weights
+    change = torch.from_numpy(np.asarray(weights, dtype=np.float32) - np.asarray(start, dtype=np.float32))
+    if transport == "bf16":
+        return change.to(torch.bfloat16).view(torch.int16).numpy()
+    return change.to(torch.float16).numpy()
+
+
+def decode(sent: np.ndarray, start: np.ndarray, transport: str) -> np.ndarray:
+    """The fp32 weights a half-precision update stands for: the round's global weights plus the change."""
+    if not np.issubdtype(start.dtype, np.floating):
+        return sent
+    if transport == "bf16":
+        change = torch.from_numpy(np.ascontiguousarray(sent)).view(torch.bfloat16).float().numpy()
+    else:
+        change = sent.astype(np.float32)
+    return (start.astype(np.float32) + change).astype(start.dtype)
+
+
+def half_transport(inner):
+    """A Flower strategy around ``inner``: clients send their updates in bf16 or fp16 (half the bytes up), and it
+    turns them back into fp32 weights before ``inner`` averages them.
+
+    Flower's strategies average the weights they are given and none takes a compressed update, so this wrapper
+    does the decoding and passes every other call through.
+    """
+    from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import Strategy
+
+    class HalfTransport(Strategy):
+        def __init__(self) -> None:
+            self.start: list[np.ndarray] = []
+
+        def initialize_parameters(self, client_manager):
+            return inner.initialize_parameters(client_manager)
+
+        def configure_fit(self, server_round, parameters, client_manager):
+            self.start = parameters_to_ndarrays(parameters)
+            return inner.configure_fit(server_round, parameters, client_manager)
+
+        def aggregate_fit(self, server_round, results, failures):
+            for _, res in results:
+                transport = str(res.metrics.get("transport", "fp32"))
+                if transport != "fp32":
+                    sent = parameters_to_ndarrays(res.parameters)
+                    res.parameters = ndarrays_to_parameters([decode(a, g, transport) for a, g in zip(sent, self.start)])
+            return inner.aggregate_fit(server_round, results, failures)
+
+        def configure_evaluate(self, server_round, parameters, client_manager):
+            return inner.configure_evaluate(server_round, parameters, client_manager)
+
+        def aggregate_evaluate(self, server_round, results, failures):
+            return inner.aggregate_evaluate(server_round, results, failures)
+
+        def evaluate(self, server_round, parameters):
+            return inner.evaluate(server_round, parameters)
+
+    return HalfTransport()
 
 
 def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
@@ -190,6 +262,7 @@ def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
         "client_fraction": plan.client_fraction,
         "local_epochs": plan.local_epochs,
         "aggregation": "SecAgg+" if plan.secagg else "in the clear",
+        "transport": plan.transport,
     }
     if plan.dp_noise_multiplier > 0:
         out["differential_privacy"] = {
@@ -258,7 +331,11 @@ class _Client:
             model, self.dataset, self.share, int(config["epochs"]), float(config["lr"]), int(config["batch"]),
             int(config["round"]), augment, float(config.get("proximal_mu", 0.0)),
         )  # fmt: skip
-        return [v.detach().numpy() for v in model.state_dict().values()], len(self.share), {}
+        weights = [v.detach().numpy() for v in model.state_dict().values()]
+        transport = str(config.get("transport", "fp32"))
+        if transport == "fp32":
+            return weights, len(self.share), {}
+        return [encode(w, g, transport) for w, g in zip(weights, parameters)], len(self.share), {"transport": transport}
 
 
 def client(context):

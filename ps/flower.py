@@ -88,7 +88,9 @@ class Process:
 class SuperLink(Process):
     """The server: TLS with the federation's certificate, only registered SuperNodes admitted."""
 
-    def __init__(self, keys: Path, port: int, work: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, keys: Path, port: int, work: Path, host: str = "127.0.0.1", listen: str | None = None) -> None:
+        """``host``: where this process reaches it (the CLI); ``listen``: the address it serves on (default: host;
+        ``0.0.0.0`` for SuperNodes on other nodes)."""
         self.address, self.keys, self.work = f"{host}:{port}", Path(keys), Path(work)
         argv = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(self.keys / certs.CA_CERT)]
         argv += [
@@ -98,7 +100,7 @@ class SuperLink(Process):
             str(self.keys / certs.SERVER_KEY),
         ]
         argv += ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
-        argv += ["--host", host, "--port", str(port)]
+        argv += ["--host", listen or host, "--port", str(port)]
         super().__init__("superlink", argv, self.work / "superlink-home", self.work / "logs")
         wait_for_line(self.log, r"Uvicorn running on https://", 120, self.process, self.since)
         home = self.work / "cli-home"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from clipforge.hpc.distenv import free_port
-from clipforge.models.builders import create_model, load_weights
+from clipforge.models.builders import architecture, create_model, load_weights
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
@@ -33,8 +34,11 @@ def federation(store: Path, run: Path, *extra: str, wait: bool = True):
 
 
 @pytest.fixture(scope="module")
-def resumed(tiny_store: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A federation of 2 clients over 2 rounds, killed after its first round and started again."""
+def resumed(slurm, tiny_store: Path, tmp_path_factory) -> tuple[Path, list]:
+    """A federation of 2 clients over 2 rounds in one local task, killed after its first round, then started
+    again as a Slurm job of 3 tasks: the server's and one per client."""
+    from clipforge.hpc.launch import run_script
+
     run = tmp_path_factory.mktemp("federation") / "run"
     first = federation(tiny_store, run, "--rounds", "2", wait=False)
     deadline = time.monotonic() + 300
@@ -43,12 +47,16 @@ def resumed(tiny_store: Path, tmp_path_factory) -> tuple[Path, subprocess.Comple
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)  # the server, its SuperNodes and the run, all at once
     first.wait()
-    return run, federation(tiny_store, run, "--rounds", "2")
+    where = ["--data.store", str(tiny_store), "--run-dir", str(run), "--clients", "2", "--rounds", "2", *TINY]
+    return run, run_script("clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3",
+                                                        *where])  # fmt: skip
 
 
-def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_directory(resumed) -> None:
-    run, again = resumed
-    assert again.returncode == 0, again.stderr[-3000:]
+def test_a_federation_killed_after_a_round_resumes_there_as_a_slurm_job_of_a_task_per_client(resumed) -> None:
+    run, results = resumed
+    assert len(results) == 3 and results[0]["rounds"] == 2 and results[1:] == [None, None]
+    # The first start's certificate was for this host's loopback; the job's server re-issued it for its node.
+    assert socket.gethostname().split(".")[0] in certs.server_hosts(run / "certs")
     logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
     assert "resuming the federation after round 1 of 2" in logs, logs[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -60,8 +68,7 @@ def test_a_federation_killed_after_a_round_resumes_there_and_leaves_a_run_direct
     last = load_file(str(run / "rounds" / "round-00002.safetensors"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in last.items())
     record = json.loads((run / "final" / "run.json").read_text())
-    assert record["steps"] == 2 and "video_top1" in record["metrics"]
-    assert "federation of 2 clients finished 2 rounds" in again.stderr
+    assert record["steps"] == 2 and "video_top1" in record["metrics"] and record["slurm_job_id"]
 
 
 def test_secagg_plus_gives_plain_fedavgs_global_model_within_its_quantisation_error(
@@ -132,6 +139,10 @@ def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_g
     subprocess.run([*argv, "--clients", "4"], check=True, capture_output=True)  # one more client, the rest kept
     assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
     assert (tmp_path / "client-3.key").exists()
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith("server")}
+    subprocess.run([*argv, "--clients", "4", "--host", "fl2.example.org"], check=True, capture_output=True)
+    assert certs.server_hosts(tmp_path) == {"fl.example.org", "fl2.example.org"}  # re-issued for the new name too
+    assert all((tmp_path / name).read_bytes() == data for name, data in kept.items())  # by the same CA
 
 
 def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_epsilon(
@@ -180,8 +191,6 @@ def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_
 
 
 def test_fedprox_keeps_the_clients_near_the_global_model(resumed, tiny_store: Path, tmp_path: Path) -> None:
-    from clipforge.models.builders import architecture
-
     run = tmp_path / "fedprox"
     result = federation(tiny_store, run, "--rounds", "1", "--proximal-mu", "1000")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -194,3 +203,40 @@ def test_fedprox_keeps_the_clients_near_the_global_model(resumed, tiny_store: Pa
     plain = moved(load_file(str(resumed[0] / "rounds" / "round-00001.safetensors")))  # FedAvg, the same round
     assert 0 < prox < 0.5 * plain, (prox, plain)
     assert json.loads((run / "final" / "run.json").read_text())["federated"]["strategy"] == "FedProx (mu 1000)"
+
+
+def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_store: Path) -> None:
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import fl_train
+
+    cfg = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--clients", "3", "--nodes", "2"])
+    with pytest.raises(job_config.ConfigError, match="2 tasks for 3 clients.*--nodes 4 --ntasks-per-node 1"):
+        fl_train.check(cfg)
+
+
+def test_bf16_transport_gives_fedavgs_round_within_its_rounding(resumed, tiny_store: Path, tmp_path: Path) -> None:
+    run = tmp_path / "bf16"
+    result = federation(tiny_store, run, "--rounds", "1", "--transport", "bf16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+    half = load_file(str(run / "final" / "model.safetensors"))
+    full = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))  # the same round in fp32
+    change = torch.cat([(full[k] - start[k]).flatten() for k in start])
+    error = torch.cat([(half[k] - full[k]).flatten() for k in start])
+    # Each client's change is rounded to bf16 (relative error 2^-8 at most); their average errs by about that.
+    assert 0 < error.norm() < 2**-8 * change.norm(), (error.norm(), change.norm())
+    assert json.loads((run / "final" / "run.json").read_text())["federated"]["transport"] == "bf16"
+
+
+@pytest.mark.parametrize("transport", ["bf16", "fp16"])
+def test_a_half_precision_update_decodes_to_the_weights_within_its_rounding(transport: str) -> None:
+    from clipforge.ps.federated import decode, encode
+
+    g = np.random.default_rng(0)
+    start = g.standard_normal(10_000).astype(np.float32)
+    weights = start + 1e-3 * g.standard_normal(10_000).astype(np.float32)
+    sent = encode(weights, start, transport)
+    assert sent.itemsize == 2 and encode(np.arange(3), np.arange(3), transport).dtype == np.arange(3).dtype
+    back = decode(sent, start, transport)
+    unit = 2**-8 if transport == "bf16" else 2**-11
+    assert back.dtype == np.float32 and np.all(np.abs(back - weights) <= unit * np.abs(weights - start) + 1e-6)

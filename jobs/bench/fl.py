@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Benchmark of federated training on Flower: seconds and bytes per round, and accuracy under a privacy budget.
+
+    python jobs/bench/fl.py [--clients 4 16] [--rounds 3] [--repeats 2] [--accuracy-rounds 6]
+
+Packs a small motion corpus, then for each client count runs whole federations
+(``jobs/fl_train.py``: a SuperLink with TLS, one authenticated SuperNode per
+client, all on this host) with plain FedAvg, FedAvg with bf16 updates, SecAgg+
+and client-level DP, and,
+as the peer, the RPC federated averaging of ``ps_train.py --algorithm fedavg``
+on the same model, data and rounds. The sides alternate, each repeat in the
+opposite order. A round's time is the time between two consecutive rounds'
+rows in ``metrics.jsonl`` (the first round, which includes start-up, is not
+counted); its bytes are what the clients' sockets to the server carried, read
+from the kernel's TCP counters (``ss``), against the floor of the weights sent
+down and up once per client in fp32. Then, on clients that each hold two
+classes (non-IID), the video top-1 after the same rounds for FedAvg (fp32 and
+bf16 updates), FedProx
+and FedAvg with the noise that spends epsilon 8 and 2, beside one client
+trained alone on its own share for as many epochs. TensorPipe moves the RPC
+peer's tensors through shared memory on one host, so its bytes are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import tyro
+
+from clipforge.hpc.distenv import free_port, local_world
+from clipforge.hpc.mpi import mpiexec_command
+from clipforge.preprocess import synthetic
+
+MODEL = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8"]
+
+
+@dataclasses.dataclass
+class Config:
+    """Flower FedAvg, SecAgg+ and DP against the RPC federated averaging, and accuracy at a privacy budget."""
+
+    clients: list[int] = dataclasses.field(default_factory=lambda: [4, 16])
+    """Client counts to time (the clients share this host's cores)."""
+    rounds: int = 3
+    """Rounds per timed federation (the first is not counted)."""
+    repeats: int = 2
+    """Federations per side and client count, alternating the order."""
+    accuracy_rounds: int = 6
+    """Rounds of the non-IID accuracy comparison (3 clients, two classes each)."""
+    accuracy_epochs: int = 3
+    """Local epochs per round in the accuracy comparison."""
+    epsilons: list[float] = dataclasses.field(default_factory=lambda: [8.0, 2.0])
+    """Privacy budgets of the accuracy comparison (epsilon at delta 1e-5)."""
+    proximal_mu: float = 0.1
+    """FedProx's mu in the accuracy comparison."""
+
+
+class WireCounter:
+    """Bytes the chosen processes' TCP connections carried, from ``ss``'s per-socket counters, sampled in a thread.
+
+    ``owns(pid, peer_port)`` picks the sockets; each socket's largest counters seen count once.
+    """
+
+    def __init__(self, owns) -> None:
+        self.owns, self.seen, self.stop = owns, {}, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.read()
+            time.sleep(0.2)
+
+    def read(self) -> None:
+        lines = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout.splitlines()
+        for head, info in zip(lines, lines[1:] + [""]):
+            if head[:1].isspace():
+                continue  # an info line: read with its socket's line
+            fields = head.split()
+            pid = re.search(r"pid=(\d+)", head)
+            if len(fields) < 5 or pid is None or not self.owns(int(pid.group(1)), int(fields[4].rsplit(":", 1)[1])):
+                continue
+            counts = dict(re.findall(r"(bytes_acked|bytes_received):(\d+)", info))
+            key = (fields[3], fields[4])
+            old = self.seen.get(key, (0, 0))
+            self.seen[key] = (
+                max(old[0], int(counts.get("bytes_acked", 0))),
+                max(old[1], int(counts.get("bytes_received", 0))),
+            )
+
+    def total(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return sum(a + b for a, b in self.seen.values())
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class RoundClock:
+    """When each round's row appeared in a run's metrics.jsonl."""
+
+    def __init__(self, metrics: Path, kind: str) -> None:
+        self.metrics, self.kind, self.times, self.stop = metrics, kind, {}, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            if self.metrics.exists():
+                for line in self.metrics.read_text().splitlines():
+                    row = json.loads(line)
+                    if row.get("kind") == self.kind:
+                        self.times.setdefault(row["step"], time.perf_counter())
+            time.sleep(0.05)
+
+    def seconds_per_round(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        steps = sorted(self.times)
+        return statistics.median(self.times[b] - self.times[a] for a, b in zip(steps, steps[1:]))
+
+
+def flower(store: Path, run: Path, clients: int, rounds: int, *extra: str) -> dict:
+    port = free_port()
+    argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
+    argv += ["--executor", "debug", "--clients", str(clients), "--rounds", str(rounds), "--port", str(port)]
+    argv += [*MODEL, "--batch", "4", *extra]
+    clock = RoundClock(run / "metrics.jsonl", "round")
+    wire = WireCounter(lambda pid, peer: peer == port and "flower-supernode" in cmdline(pid))
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"flower {' '.join(extra)} failed:\n{result.stderr[-2000:]}")
+    return {"s": clock.seconds_per_round(), "bytes": wire.total() / rounds, "top1": top1(run)}
+
+
+def rpc(store: Path, run: Path, clients: int, rounds: int) -> dict:
+    procs, flags = [], ["--servers", "1", "--trainers", str(clients), "--algorithm", "fedavg", *MODEL]
+    flags += ["--fed.rounds", str(rounds), "--fed.batch", "4", "--fed.lr", "0.002", "--trainer.partition", "iid"]
+    clock = RoundClock(run / "metrics.jsonl", "train")
+    for dist in local_world(1 + clients):
+        env = {**os.environ, **dist.as_environ()}
+        argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--data.store", str(store), "--run-dir", str(run)]
+        log = open(run.parent / f"{run.name}-rank{dist.rank}.log", "w")
+        procs.append(subprocess.Popen([*argv, *flags], env=env, stdout=log, stderr=subprocess.STDOUT))
+    for rank, p in enumerate(procs):
+        if p.wait():
+            raise RuntimeError(f"RPC fedavg failed:\n{(run.parent / f'{run.name}-rank{rank}.log').read_text()[-2000:]}")
+    # TensorPipe moves tensors between processes of one host through shared memory, not TCP: no bytes to count.
+    return {"s": clock.seconds_per_round(), "bytes": None, "top1": top1(run)}
+
+
+def top1(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r["video_top1"] for r in reversed(rows) if r["kind"] == "eval")
+
+
+def weight_bytes(store: Path) -> int:
+    from clipforge.models.builders import architecture
+    from clipforge.preprocess.store import ClipStore
+
+    s = ClipStore.open(store)
+    arch = architecture("videovit-tiny", len(s.classes), s.params["clip_frames"], s.params["height"], depth=2,
+                        tubelet=(2, 8, 8))  # fmt: skip
+    return sum(v.numel() * 4 for v in arch.build(seed=0).state_dict().values())
+
+
+def alone(store: Path, epochs: int) -> float:
+    """Client 0 of 3 (by class: two of the six classes) trained on its own share for ``epochs`` epochs, alone."""
+    from clipforge.models.builders import architecture
+    from clipforge.models.evaluation import evaluate_model
+    from clipforge.preprocess.reader import ClipDataset
+    from clipforge.preprocess.store import ClipStore
+    from clipforge.ps.federated import train_locally
+    from clipforge.ps.worker import Augment, partition
+
+    s = ClipStore.open(store)
+    model = architecture("videovit-tiny", len(s.classes), s.params["clip_frames"], s.params["height"], depth=2,
+                         tubelet=(2, 8, 8)).build(seed=0)  # fmt: skip
+    train = ClipDataset(s, "train")
+    share = partition(train.labels, 3, "by_class", 0)[0]
+    for e in range(epochs):
+        train_locally(model, train, share, 1, 0.002, 4, e, Augment(None, True, 0))
+    return evaluate_model(model, ClipDataset(s, "val"), 8, None)["video_top1"]
+
+
+def pack(work: Path) -> Path:
+    synthetic.make_corpus(work / "videos", videos_per_class=10, frames=(48, 64), seed=2)
+    argv = [*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(work / "videos")]
+    argv += ["--out", str(work / "store"), "--clip-frames", "8", "--height", "32", "--width", "32"]
+    argv += ["--split.train", "0.7", "--split.val", "0.3", "--split.test", "0"]
+    subprocess.run(argv, check=True, capture_output=True)
+    return work / "store"
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.2f}x {min(values):5.2f}-{max(values):.2f}x"
+
+
+def main(cfg: Config) -> None:
+    with tempfile.TemporaryDirectory(prefix="clipforge-bench-fl-") as tmp:
+        work = Path(tmp)
+        store = pack(work)
+        floor = weight_bytes(store)
+        sides = {
+            "Flower FedAvg": lambda k, run: flower(store, run, k, cfg.rounds),
+            "Flower FedAvg bf16": lambda k, run: flower(store, run, k, cfg.rounds, "--transport", "bf16"),
+            "Flower SecAgg+": lambda k, run: flower(store, run, k, cfg.rounds, "--secagg"),
+            "Flower DP (z=1)": lambda k, run: flower(store, run, k, cfg.rounds, "--dp.noise-multiplier", "1.0"),
+            "RPC FedAvg (peer)": lambda k, run: rpc(store, run, k, cfg.rounds),
+        }
+        timed: dict[int, dict[str, list[dict]]] = {}
+        for k in cfg.clients:
+            timed[k] = {name: [] for name in sides}
+            for r in range(cfg.repeats):
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))
+                for name in order:
+                    print(f"  {k} clients, repeat {r + 1}: {name}", file=sys.stderr, flush=True)
+                    got = sides[name](k, work / f"{k}-{r}-{list(sides).index(name)}")
+                    timed[k][name].append(got)
+                    mib = "" if got["bytes"] is None else f", {got['bytes'] / 2**20:.2f} MiB/round"
+                    line = f"    {got['s']:.2f} s/round{mib}, video top-1 {got['top1']:.3f}"
+                    print(line, file=sys.stderr, flush=True)
+        print(
+            f"\nvideovit-tiny (depth 2, {floor / 2**20:.2f} MiB of fp32 weights), {cfg.rounds} rounds per federation, "
+            f"{cfg.repeats} federations per side in alternating order; a round: 1 local epoch of every client, then "
+            "the server's evaluation\n"
+        )
+        print(
+            f"{'clients':>7}  {'side':<19} {'s/round':>8} {'vs FedAvg':>16} {'MiB/round':>10} {'vs floor':>9}"
+            f" {'vs FedAvg':>16}"
+        )
+        for k, by_side in timed.items():
+            base = by_side["Flower FedAvg"]
+            for name, runs in by_side.items():
+                s = statistics.median(r["s"] for r in runs)
+                vs_s = spread([r["s"] / f["s"] for r, f in zip(runs, base)]) if name != "Flower FedAvg" else ""
+                if runs[0]["bytes"] is None:
+                    print(f"{k:>7}  {name:<19} {s:8.2f} {vs_s:>16} {'shared memory, not on the wire':>37}")
+                    continue
+                b = statistics.median(r["bytes"] for r in runs)
+                vs_b = spread([r["bytes"] / f["bytes"] for r, f in zip(runs, base)]) if name != "Flower FedAvg" else ""
+                print(
+                    f"{k:>7}  {name:<19} {s:8.2f} {vs_s:>16} {b / 2**20:10.2f} {b / (2 * k * floor):8.2f}x {vs_b:>16}"
+                )
+        print(f"\nfloor: the fp32 weights down and up once per client a round ({2 * floor / 2**20:.2f} MiB a client)")
+        print("goal: SecAgg+ and DP within 2x of FedAvg's round; Flower within 1.5x of the RPC peer's round")
+
+        n, e = cfg.accuracy_rounds, cfg.accuracy_epochs
+        print(f"\nnon-IID (3 clients, 2 of the 6 classes each): video top-1 after {n} rounds of {e} local epochs\n")
+        shares = ["--shares", "by_class", "--local-epochs", str(e)]
+        cases = [("FedAvg, epsilon infinite", [])]
+        cases.append(("FedAvg, bf16 transport", ["--transport", "bf16"]))
+        cases.append((f"FedProx mu {cfg.proximal_mu:g}", ["--proximal-mu", str(cfg.proximal_mu)]))
+        for eps in cfg.epsilons:
+            cases.append((f"FedAvg, epsilon {eps:g}", ["--dp.target-epsilon", str(eps), "--dp.clipping-norm", "1.0"]))
+        for i, (name, extra) in enumerate(cases):
+            print(f"  accuracy: {name}", file=sys.stderr, flush=True)
+            result = flower(store, work / f"accuracy-{i}", 3, n, *shares, *extra)
+            print(f"  {name:<28} {result['top1']:.3f}")
+        print(f"  {'client 0 alone, ' + str(n * e) + ' epochs':<28} {alone(store, n * e):.3f}")
+        print("\ngoal: FedAvg and FedProx above the client alone; the DP rows show what the budget costs at 3 clients")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
