@@ -364,14 +364,17 @@ def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None
         index, certs.client_key(cfg.keys, index), cfg.keys / certs.CA_CERT, address, node_config(cfg, index),
         free_port(), work,
     )  # fmt: skip
+    finished = None
     try:
         node.wait_ready()
         log.info("client %d: SuperNode joined %s", index, address)
-        while node.process.poll() is None:
-            if _wait_signal(work, "finished", job, restarts, timeout_s=2.0) is not None:
-                break
+        while finished is None and node.process.poll() is None:
+            finished = _wait_signal(work, "finished", job, restarts, timeout_s=2.0)
     finally:
         node.stop()
+    if finished is None:
+        raise FlowerError(f"client {index}: its SuperNode ended before the federation did; see {node.log}")
+    log.info("client %d: the federation ended (%s)", index, finished)
     return None
 
 

@@ -55,7 +55,7 @@ class Config:
     repeats: int = 2
     """Federations per side and client count, alternating the order."""
     accuracy_rounds: int = 6
-    """Rounds of the non-IID accuracy comparison (3 clients, two classes each)."""
+    """Rounds of the non-IID accuracy comparison (3 clients, two classes each; 0: none)."""
     accuracy_epochs: int = 3
     """Local epochs per round in the accuracy comparison."""
     epsilons: list[float] = dataclasses.field(default_factory=lambda: [8.0, 2.0])
@@ -260,6 +260,8 @@ def main(cfg: Config) -> None:
         print("goal: SecAgg+ and DP within 2x of FedAvg's round; Flower within 1.5x of the RPC peer's round")
 
         n, e = cfg.accuracy_rounds, cfg.accuracy_epochs
+        if n == 0:
+            return
         print(f"\nnon-IID (3 clients, 2 of the 6 classes each): video top-1 after {n} rounds of {e} local epochs\n")
         shares = ["--shares", "by_class", "--local-epochs", str(e)]
         cases = [("FedAvg, epsilon infinite", [])]
