@@ -92,4 +92,5 @@ def run(cluster: str | None = None, workdir: Path = Path("runs/demo")) -> int:
         f"  test        video top-1 {test['video_top1']:.3f} on {test['videos']} videos (chance {chance:.3f}); "
         f"clip top-1 {test['clip_top1']:.3f}  ({run.evaluation_path('test')})"
     )
+    print(f"  next        federated training on shares of it: python jobs/fl_train.py --data.store {store} --clients 3")
     return 0

@@ -7,11 +7,11 @@
 #SBATCH --time=240
 #SBATCH --signal=USR2@120
 # fmt: on
-"""Asynchronous parameter-server training (async, SSP or sync) or federated averaging, over torch.distributed.rpc.
+"""Asynchronous parameter-server training (async, SSP or sync) over torch.distributed.rpc, for ranks that trust
+each other (federated training with untrusted clients is jobs/fl_train.py).
 
     python jobs/ps_train.py --servers 2 --trainers 16 --data.store /lustre/scratch/k400 \\
         --server.mode ssp --cluster mycluster
-    python jobs/ps_train.py --servers 1 --trainers 4 --algorithm fedavg --trainer.partition by_class --fed.rounds 20
     sbatch jobs/ps_train.py --servers 1 --data.store ...      # the first --servers tasks serve, the rest train
 
 The run directory has the same layout as jobs/train.py's, so evaluate.py and the registry take it as they are.
@@ -47,10 +47,10 @@ from clipforge.rundir import RunDir
 
 @dataclasses.dataclass
 class Config(PSSettings):
-    """Parameter-server or federated training on a clip store."""
+    """Parameter-server training on a clip store."""
 
     trainers: int = 2
-    """Trainer ranks (clients, for fedavg); with --servers this sets the job's task count."""
+    """Trainer ranks; with --servers this sets the job's task count."""
     launch: Annotated[Launch, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Launch)
     resources: Annotated[Resources, tyro.conf.OmitArgPrefixes] = dataclasses.field(
         default_factory=lambda: Resources(time="04:00:00", job_name="clipforge-ps")

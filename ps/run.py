@@ -1,6 +1,8 @@
-"""A parameter-server job: roles from the ranks, RPC set-up, the end of the run, and federated averaging.
+"""A parameter-server job: roles from the ranks, RPC set-up and the end of the run.
 
-Ranks ``0..S-1`` serve, ranks ``S..S+W-1`` train (or are federated clients).
+Ranks ``0..S-1`` serve, ranks ``S..S+W-1`` train. The ranks trust each other:
+this is cluster-internal training. Federated training, with clients that do not
+trust the server or each other, is ``jobs/fl_train.py`` on Flower.
 Names and the rendezvous address come from the ``hpc`` distributed contract.
 Server 0 closes the run: once every trainer has finished or been dropped, it
 gathers the shards, writes the same run directory a DeepSpeed run leaves
@@ -15,7 +17,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,15 +48,12 @@ class PSSettings:
     """Run directory (config, metrics, server checkpoints, final weights)."""
     servers: int = 1
     """Server ranks (the first ones)."""
-    algorithm: Literal["ps", "fedavg"] = "ps"
-    """ps: parameter server with async/ssp/sync updates; fedavg: federated averaging rounds."""
     seed: int = 0
     """Seed of initialisation, partitions, sampling and augmentation."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
     server: srv.ServerSettings = dataclasses.field(default_factory=srv.ServerSettings)
     trainer: worker.TrainerSettings = dataclasses.field(default_factory=worker.TrainerSettings)
-    fed: worker.FedSettings = dataclasses.field(default_factory=worker.FedSettings)
 
 
 def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
@@ -64,8 +63,6 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
             f"{world_size} tasks cannot hold {s.servers} server(s) and at least one trainer; ask for more tasks or "
             "fewer servers"
         )
-    if s.algorithm == "fedavg" and s.servers != 1:
-        raise PSError("federated averaging runs with one server; pass --servers 1")
     if s.data.class_balance != "none":
         raise PSError(
             f"--data.class-balance {s.data.class_balance} is not supported by the parameter server; leave it at none"
@@ -112,8 +109,6 @@ def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
     owner = srv.assign_shards({k: tuple(v.shape) for k, v in model.state_dict().items()}, s.servers)
     dataset = ClipDataset(store, s.data.train_split)
     shares = worker.partition(dataset.labels, len(trainers), s.trainer.partition, s.seed)
-    if s.algorithm == "fedavg":
-        return _fedavg(s, env, run_dir, name, servers, trainers, model, dataset, shares, store, options)
     if is_server:
         mine = {k: v for k, v in model.state_dict().items() if owner[k] == env.rank}
         server = srv.ShardServer(env.rank, mine, trainers, s.server, run_dir.server_checkpoint(env.rank))
@@ -163,7 +158,7 @@ def _close(
     gaps = [x for shard in states for x in shard["clock_gaps"]]
     summary = {
         "kind": "ps",
-        "mode": s.server.mode if s.algorithm == "ps" else "fedavg",
+        "mode": s.server.mode,
         "updates": updates,
         "updates_per_s": updates / max(time.time() - started, 1e-9),
         "staleness_histogram": np.bincount(np.asarray(staleness, dtype=np.int64)).tolist() if staleness else [],
@@ -186,87 +181,3 @@ def _close(
         weights,
     )
     return {"metrics": metrics, "summary": summary, "weights": str(weights)}
-
-
-def _fedavg(
-    s: PSSettings,
-    env: DistEnv,
-    run_dir: RunDir,
-    name: str,
-    servers: list[str],
-    clients: list[str],
-    model: torch.nn.Module,
-    dataset: ClipDataset,
-    shares: list[np.ndarray],
-    store: ClipStore,
-    options: rpc.TensorPipeRpcBackendOptions,
-) -> dict[str, Any] | None:
-    if env.rank != 0:
-        augment = worker.Augment(s.data.crop, s.data.flip, s.seed + env.rank)
-        stop = worker.install_client(model, dataset, shares[env.rank - s.servers], s.seed + env.rank, augment)
-        rpc.init_rpc(name, rank=env.rank, world_size=env.world_size, rpc_backend_options=options)
-        stop.wait()
-        time.sleep(1.0)
-        rpc.shutdown(graceful=False)
-        return None
-    rpc.init_rpc(name, rank=0, world_size=env.world_size, rpc_backend_options=options)
-    started = time.time()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    rng = np.random.default_rng(s.seed)
-    f = s.fed
-    eval_set = ClipDataset(store, s.data.eval_split)
-    for r in range(f.rounds):
-        k = max(1, int(round(f.client_fraction * len(clients))))
-        chosen = sorted(rng.choice(len(clients), size=k, replace=False))
-        futures = {
-            c: rpc.rpc_async(
-                clients[c],
-                worker.local_train,
-                args=(state, f.local_epochs, f.lr, f.batch, r),
-                timeout=f.round_timeout_s,
-            )
-            for c in chosen
-        }
-        results = []
-        for c, future in futures.items():
-            try:
-                results.append(future.wait())
-            except RuntimeError as exc:
-                log.warning("round %d: client %d left out (%s)", r, c, str(exc).splitlines()[0])
-        if not results:
-            raise PSError(f"round {r}: no client answered")
-        total = sum(n for _, n in results)
-        state = {key: sum(w[key].float() * (n / total) for w, n in results).to(state[key].dtype) for key in state}
-        model.load_state_dict(state)
-        row = {"kind": "train", "step": r + 1, "clients": len(results)}
-        if (r + 1) % max(1, f.rounds // 5) == 0 or r + 1 == f.rounds:
-            m = evaluate_model(model, eval_set, f.batch, s.data.crop)
-            row.update(loss=m["loss"], video_top1=m["video_top1"])
-            log.info(
-                "round %d/%d: %d clients, %s video top-1 %.3f",
-                r + 1,
-                f.rounds,
-                len(results),
-                m["split"],
-                m["video_top1"],
-            )
-        run_dir.append_metrics(row)
-    for client in clients:
-        try:
-            rpc.rpc_sync(client, worker.client_stop, timeout=30)
-        except RuntimeError:
-            pass  # a client that died has nothing to stop
-    metrics = evaluate_model(model, eval_set, f.batch, s.data.crop)
-    run_dir.append_metrics({"kind": "eval", "step": f.rounds, **metrics})
-    federated = {
-        "rounds": f.rounds,
-        "clients": len(clients),
-        "local_epochs": f.local_epochs,
-        "client_fraction": f.client_fraction,
-        "partition": s.trainer.partition,
-        "seconds": time.time() - started,
-    }
-    record = _record(s, store, metrics, f.rounds, env, federated=federated)
-    weights = run_dir.write_final(state, record, metrics)
-    rpc.shutdown(graceful=False)
-    return {"metrics": metrics, "weights": str(weights)}

@@ -1,10 +1,9 @@
-"""Workers (trainers) and federated clients: the processes that compute on their own data and talk to the servers."""
+"""Workers (trainers): the processes that compute on their own data and talk to the servers."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Literal
 
@@ -175,70 +174,3 @@ class Worker:
         for future in futures:
             future.wait()  # SSP and sync hold this until the others catch up
         self.model.zero_grad(set_to_none=True)
-
-
-# -- federated averaging: clients train locally when the server asks ---------------------------
-@dataclasses.dataclass
-class FedSettings:
-    rounds: int = 10
-    """Communication rounds."""
-    local_epochs: int = 1
-    """Epochs each sampled client trains per round (E)."""
-    client_fraction: float = 1.0
-    """Share of clients sampled each round (C)."""
-    lr: float = 0.002
-    """Clients' AdamW learning rate (a fresh optimizer each round, as FedAvg clients are stateless)."""
-    batch: int = 8
-    """Clips per local step."""
-    round_timeout_s: float = 120.0
-    """A client that does not answer within this is left out of the round."""
-
-
-@dataclasses.dataclass
-class _Client:
-    model: torch.nn.Module
-    dataset: ClipDataset
-    share: np.ndarray
-    seed: int
-    augment: Augment
-    stop: threading.Event
-
-
-_CLIENT: _Client | None = None
-
-
-def install_client(
-    model: torch.nn.Module, dataset: ClipDataset, share: np.ndarray, seed: int, augment: Augment
-) -> threading.Event:
-    global _CLIENT
-    _CLIENT = _Client(model, dataset, share, seed, augment, threading.Event())
-    return _CLIENT.stop
-
-
-def local_train(
-    state: dict[str, torch.Tensor], epochs: int, lr: float, batch: int, round_index: int
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Run on a client: start from the global weights and train E epochs on its own data.
-
-    Returns the new weights and the number of samples they were trained on.
-    """
-    c = _CLIENT
-    assert c is not None
-    c.model.load_state_dict(state)
-    optimizer = torch.optim.AdamW(c.model.parameters(), lr=lr)
-    rng = np.random.default_rng([c.seed, round_index])
-    c.model.train()
-    for epoch in range(epochs):
-        order = c.share[rng.permutation(len(c.share))]
-        for start in range(0, len(order), batch):
-            clips, labels = _batch(c.dataset, order[start : start + batch])
-            optimizer.zero_grad()
-            step = (round_index * epochs + epoch) * len(order) + start
-            F.cross_entropy(c.model(c.augment(clips, step)), labels).backward()
-            optimizer.step()
-    return {k: v.detach().clone() for k, v in c.model.state_dict().items()}, len(c.share)
-
-
-def client_stop() -> None:
-    if _CLIENT is not None:
-        _CLIENT.stop.set()

@@ -17,11 +17,8 @@ from safetensors.torch import load_file
 
 from clipforge.hpc.distenv import local_world
 from clipforge.models.builders import architecture, load_trained
-from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import worker
-
-from .argv import pack_argv
 
 TINY = [
     "--model.depth",
@@ -221,66 +218,6 @@ def test_a_restarted_job_continues_from_the_server_checkpoint_and_its_clocks(tin
     summary = rows(run, "ps")[-1]
     assert summary["clocks"] == {"trainer0": 60, "trainer1": 60}
     assert summary["updates"] == saved["version"] + (120 - sum(saved["clocks"].values()))
-
-
-@pytest.fixture(scope="module")
-def motion_store(tmp_path_factory, mpiexec) -> Path:
-    """Clips large enough for a one-block transformer to tell the motions apart (64 px, 16 frames)."""
-    from clipforge.preprocess import synthetic
-
-    root = tmp_path_factory.mktemp("motion")
-    synthetic.make_corpus(root / "videos", videos_per_class=8, frames=(48, 64), seed=1)
-    argv = pack_argv(
-        mpiexec,
-        2,
-        root / "videos",
-        root / "store",
-        clip_frames=16,
-        height=64,
-        width=64,
-        split__train=0.6,
-        split__val=0.4,
-        split__test=0,
-    )
-    subprocess.run(argv, check=True, capture_output=True, timeout=300)
-    return root / "store"
-
-
-def test_federated_averaging_of_non_iid_clients_beats_a_client_trained_alone(
-    motion_store: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
-    rounds, epochs, model_args = 30, 2, ["--model.depth", "1", "--model.tubelet", "4", "16", "16"]
-    procs = start(
-        motion_store,
-        run,
-        1,
-        3,
-        "--algorithm",
-        "fedavg",
-        "--trainer.partition",
-        "by_class",
-        "--fed.rounds",
-        str(rounds),
-        "--fed.local-epochs",
-        str(epochs),
-        "--fed.lr",
-        "0.002",
-        model=model_args,
-    )
-    finish(procs, run)
-    fed = json.loads((run / "eval.json").read_text())["video_top1"]
-    arch = architecture("videovit-tiny", 6, 16, 64, depth=1, tubelet=(4, 16, 16))
-    dataset = ClipDataset(motion_store, "train")
-    # Each client holds two of the six classes; the three are alike but for which. The first, given the
-    # same local work and never averaged with the others, stands for them all.
-    share = worker.partition(dataset.labels, 3, "by_class", 0)[0]
-    model = arch.build(seed=0)
-    worker.install_client(model, dataset, share, 1, worker.Augment(None, False, 1))
-    for r in range(rounds):
-        worker.local_train({k: v.clone() for k, v in model.state_dict().items()}, epochs, 0.002, 8, r)
-    alone = evaluate_model(model, ClipDataset(motion_store, "val"), 8, None)["video_top1"]
-    assert fed > alone, (fed, alone)  # alone a client knows two of the six classes; together they know all
 
 
 @pytest.mark.slurm
