@@ -46,7 +46,7 @@ from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import Progress, setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.builders import load_trained
+from clipforge.models.builders import classifier_run, load_trained
 from clipforge.models.evaluation import evaluate_videos_on_ranks, inference
 from clipforge.models.views import Views
 from clipforge.preprocess.reader import DecodedVideos, StoredVideos
@@ -87,8 +87,7 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def prepared(cfg: Config) -> tuple[RunDir, RunRecord, ClipStore, Views]:
     """The run, its record, the store and the views, each checked: one line for what is wrong."""
-    run = RunDir.find(cfg.run)
-    record = run.record()
+    run, record = classifier_run(cfg.run)
     store = ClipStore.open(cfg.store or Path(record.store))
     if store.classes != record.classes:
         raise config.ConfigError(f"the store's classes {store.classes} are not the run's {record.classes}")

@@ -48,13 +48,12 @@ from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.logs import Progress, setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.builders import load_trained
+from clipforge.models.builders import classifier_run, load_trained
 from clipforge.models.evaluation import inference, one_video, view_logits
 from clipforge.models.prediction import PredictionError, PredictionLog, read_manifest, top_classes
 from clipforge.models.views import Views
 from clipforge.preprocess.decode import ClipParams
 from clipforge.preprocess.reader import DecodedVideos
-from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.predict")
 
@@ -98,7 +97,7 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def checked(cfg: Config) -> tuple[ClipParams, list[Path]]:
     """The clip parameters of the run's store and the videos to classify, each checked (one line for a problem)."""
-    record = RunDir.find(cfg.run).record()
+    _, record = classifier_run(cfg.run)
     params = ClipParams.recorded(record.data_fingerprint["params"])
     cfg.views.check(record.crop, params.height, params.width)
     if not cfg.videos and cfg.manifest is None:

@@ -49,6 +49,9 @@ def train_batches(
         prefetch_factor=4 if data.workers else None,
         pin_memory=cuda and not dataset.encoded,
         collate_fn=collate_encoded if dataset.encoded else None,
+        # Its own generator: starting the loader draws a seed, which from the global generator would shift the
+        # dropout, drop-path and masks of a resumed run's first step (the trainer seeds the global one per step).
+        generator=torch.Generator().manual_seed(seed),
     )
     for n, (clips, labels) in enumerate(throughput.timed(loader)):
         step, micro = first_step + n // grad_accum, n % grad_accum

@@ -241,6 +241,9 @@ def start_from(model: nn.Sequential, path: Path) -> list[str]:
     head = f"{len(model) - 1}."
     other = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     fresh = [k for k in other if k.startswith(head) and k in learned]
+    if not any(k.startswith(head) for k in state):  # an encoder without a classifier (pretraining)
+        fresh = [k for k in own if k.startswith(head) and k in learned]
+        state.update({k: own[k] for k in own if k.startswith(head)})
     for key in other:
         if key in fresh or key not in learned:
             state[key] = own[key]
@@ -265,10 +268,21 @@ def _load(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
         raise ModelError(f"{path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+def classifier_run(path: Path) -> tuple[RunDir, RunRecord]:
+    """The finished run ``path`` names and its record, refused in one line when it has no classifier to use."""
+    found = RunDir.find(path)
+    record = found.record()
+    if record.encoder_only:
+        raise ModelError(
+            f"{path}: an encoder without a classifier (pretraining); fine-tune it first: "
+            f"python jobs/train.py --model.weights {found.root} --data.store STORE ..."
+        )
+    return found, record
+
+
 def load_trained(run: Path) -> tuple[nn.Sequential, RunRecord]:
     """The model a finished run ended with (a run directory, its final/ folder or its weights) and its record."""
-    found = RunDir.find(run)
-    record = found.record()
+    found, record = classifier_run(run)
     model = create_model(
         record.model, len(record.classes), record.input.frames, record.model_size, **record.model_overrides()
     )

@@ -82,7 +82,7 @@ class PlainLayout:
             fresh = start_from(model, p.weights)
             if fresh and p.announce:
                 log.warning(
-                    "%s: classifier %s of another shape (other classes): trained from scratch",
+                    "%s: classifier %s new (other classes, or an encoder from pretraining): trained from scratch",
                     p.weights,
                     ", ".join(fresh),
                 )

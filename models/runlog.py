@@ -86,6 +86,12 @@ class RunLog:
         if not self.main:
             return
         self.run.append_metrics({"kind": "eval", "step": step, **metrics})
+        if "video_top1" not in metrics:  # pretraining: the masked-reconstruction loss alone
+            log.info("step %d: %s reconstruction loss %.4f (%d clips)", step, metrics["split"], metrics["loss"],
+                     metrics["clips"])  # fmt: skip
+            if self.writer is not None:
+                self.writer.add_scalar(f"{metrics['split']}/loss", metrics["loss"], step)
+            return
         log.info(
             "step %d: %s loss %.4f, clip top-1 %.3f, video top-1 %.3f (%d videos)",
             step,

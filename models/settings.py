@@ -18,6 +18,7 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 
 from .builders import Architecture, architecture
+from .mae import MaeSettings, mae_architecture
 from .parallel import ParallelConfig, Precision
 
 
@@ -39,9 +40,23 @@ class ModelSettings:
     """Mean of tokens or a class token (videovit-* only)."""
     drop_path: float | None = None
     """Stochastic depth rate (videovit-* only)."""
+    position: Literal["learned", "sincos", "sincos-1d"] | None = None
+    """Position codes: learned, fixed sine-cosine over (t, h, w), or VideoMAE's over the token index (videovit-*)."""
+    qkv_bias: Literal["qkv", "qv"] | None = None
+    """Attention input biases on q, k and v, or on q and v only as VideoMAE (videovit-* only)."""
+    head_norm: Literal["tokens", "pooled"] | None = None
+    """The head's norm over every token before pooling, or after mean pooling as VideoMAE's fc_norm (videovit-*)."""
+    layer_scale: float | None = None
+    """Layer scale on each residual branch, starting at this value; 0: none (videovit-* only)."""
+    norm_eps: float | None = None
+    """LayerNorm epsilon of the blocks (videovit-* only)."""
+    head_norm_eps: float | None = None
+    """LayerNorm epsilon of the head's norm (videovit-* only; default: norm_eps)."""
     weights: Path | None = None
-    """Start from these weights: a local .safetensors file, or a registry version as registry:NAME@VERSION_OR_ALIAS
-    (fine-tuning on other classes: a classifier of another shape is left at its initialisation)."""
+    """Start from these weights: a local .safetensors file, a finished run or imported model (clipforge models
+    import), whose architecture is then this run's, or a registry version as registry:NAME@VERSION_OR_ALIAS
+    (fine-tuning on other classes: a classifier of another shape is left at its initialisation; an encoder from
+    pretraining gets a new one)."""
     registry: str | None = None
     """The registry remote for registry: weights (a bare repository path or a URL); default $CLIPFORGE_REGISTRY."""
 
@@ -51,8 +66,53 @@ class ModelSettings:
         return text[len(REGISTRY_PREFIX) :] if text is not None and text.startswith(REGISTRY_PREFIX) else None
 
     def overrides(self) -> dict[str, Any]:
-        keys = ("depth", "tubelet", "attention", "pool", "drop_path")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in ARCHITECTURE_KEYS if getattr(self, k) is not None}
+
+    def adopt_start(self) -> None:
+        """Starting weights with a record beside them (an imported model, a finished run) bring their architecture.
+
+        The record's model and options fill what was not asked for; an option asked for that differs is
+        refused in one line (the weights would not fit). Then ``weights`` names the weights file itself.
+        """
+        from clipforge.rundir import RunDir, RunDirError
+
+        if self.weights is None or self.registry_reference() is not None:
+            return
+        path = Path(self.weights)
+        if not path.exists():
+            raise TrainError(f"--model.weights {path}: no such file or folder")
+        try:
+            run = RunDir.find(path)
+        except RunDirError:
+            if path.is_dir():
+                raise TrainError(
+                    f"--model.weights {path}: a folder without final/model.safetensors and final/run.json; give a "
+                    "weights file, a finished run or a folder made by clipforge models import"
+                ) from None
+            return
+        record = run.record()
+        if self.name != record.model:
+            if self.name != DEFAULT_MODEL:
+                raise TrainError(
+                    f"--model.name {self.name}: the starting weights {path} are a {record.model}; drop --model.name"
+                )
+            self.name = record.model
+        for key, value in record.model_overrides().items():
+            if key not in ARCHITECTURE_KEYS:
+                raise TrainError(f"--model.weights {path}: its architecture sets {key}, which a run cannot set")
+            asked = getattr(self, key)
+            if asked is None:
+                setattr(self, key, value)
+            elif asked != value and key != "drop_path":
+                raise TrainError(
+                    f"--model.{key.replace('_', '-')} {asked}: the starting weights {path} have {value}; drop it"
+                )
+        self.weights = run.weights
+
+
+DEFAULT_MODEL = ModelSettings.name
+ARCHITECTURE_KEYS = ("depth", "tubelet", "attention", "pool", "drop_path", "position", "qkv_bias", "head_norm",
+                     "layer_scale", "norm_eps", "head_norm_eps")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -95,6 +155,8 @@ class OptimSettings:
     """Peak learning rate."""
     weight_decay: float = 0.05
     """Weight decay."""
+    beta2: float = 0.999
+    """AdamW's second-moment decay (VideoMAE's pretraining: 0.95)."""
     warmup_steps: int = 10
     """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
     min_lr_ratio: float = 0.01
@@ -113,7 +175,7 @@ class OptimSettings:
         """The optimizer section of the DeepSpeed config; ``fused``: torch's one-kernel AdamW (on a GPU)."""
         if self.optimizer == "sgd":
             return {"type": "SGD", "params": {"lr": self.lr, "momentum": 0.9, "weight_decay": self.weight_decay}}
-        params = {"lr": self.lr, "weight_decay": self.weight_decay, "betas": [0.9, 0.999], "torch_adam": True}
+        params = {"lr": self.lr, "weight_decay": self.weight_decay, "betas": [0.9, self.beta2], "torch_adam": True}
         if fused:
             params["fused"] = True  # DeepSpeed hands what it does not know to torch.optim.AdamW
         return {"type": "AdamW", "params": params}
@@ -167,20 +229,29 @@ class TrainSettings:
     """Deterministic kernels only (torch.use_deterministic_algorithms, a fixed cuBLAS workspace, the deterministic
     flash-attention backward): a resumed run then repeats an uninterrupted one bit for bit on a GPU as on CPUs,
     at some cost in speed."""
+    objective: Literal["classify", "mae"] = "classify"
+    """classify: cross-entropy on the labels; mae: masked-autoencoder pretraining of a videovit-* encoder on the
+    clips alone (labels ignored), ending with encoder weights that --model.weights fine-tunes."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
     optim: OptimSettings = dataclasses.field(default_factory=OptimSettings)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    mae: MaeSettings = dataclasses.field(default_factory=MaeSettings)
 
 
 def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     """Everything that can be refused before a single process starts: store, model, input, layout, batch."""
+    s.model.adopt_start()
     store = ClipStore.open(s.data.store)
     train_set = ClipDataset(store, s.data.train_split)
     ClipDataset(store, s.data.eval_split)
     frames, height, width = store.params["clip_frames"], store.params["height"], store.params["width"]
     size = s.data.crop or height
-    arch = architecture(s.model.name, len(store.classes), frames, size, **s.model.overrides())
+    if s.objective == "mae":
+        _check_mae(s)
+        arch = mae_architecture(s.model.name, frames, size, s.mae, **s.model.overrides())
+    else:
+        arch = architecture(s.model.name, len(store.classes), frames, size, **s.model.overrides())
     s.parallel.check(world_size, arch.splittable, s.model.name)
     if s.data.crop is not None and s.data.crop > min(height, width):
         raise TrainError(f"crop {s.data.crop} is larger than the store's {height}x{width} frames")
@@ -212,6 +283,22 @@ def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Archit
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
     return store, arch
+
+
+def _check_mae(s: TrainSettings) -> None:
+    """What masked-autoencoder pretraining cannot do, refused before a process starts."""
+    m = s.model
+    if not m.name.startswith("videovit-"):
+        raise TrainError(f"--objective mae pretrains a videovit-* encoder; {m.name} is not one")
+    if m.attention == "divided" or m.pool == "cls":
+        raise TrainError("--objective mae: the encoder sees a subset of tokens, so joint attention and mean pooling")
+    if m.weights is not None:
+        raise TrainError("--objective mae starts from scratch; drop --model.weights (fine-tuning takes it)")
+    if s.data.mixup or s.data.cutmix or s.optim.layer_decay != 1:
+        raise TrainError("--objective mae: mixup, CutMix and layer decay are fine-tuning settings; drop them")
+    problem = s.mae.problem()
+    if problem:
+        raise TrainError(problem)
 
 
 def _check_recipe_knobs(s: TrainSettings) -> None:

@@ -20,6 +20,7 @@ checkpoints in :mod:`.checkpointing`, what it records in :mod:`.runlog`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import logging
@@ -44,6 +45,7 @@ from .checkpointing import Checkpointer
 from .engine import build_engine, class_weights, has_batchnorm
 from .evaluation import evaluate_model, evaluate_on_ranks
 from .layout import LAYOUTS, EngineLayout, ModelPlan
+from .mae import encoder_state, reconstruction_on_ranks
 from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
@@ -123,7 +125,12 @@ class Trainer:
         return task_device(self.dist)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy against class indices, or against soft targets ``[B, classes]`` (mixup, CutMix)."""
+        """Cross-entropy against class indices, or against soft targets ``[B, classes]`` (mixup, CutMix).
+
+        A masked autoencoder's forward is its own loss (the labels play no part).
+        """
+        if self.settings.objective == "mae":
+            return logits.float()
         weight = self.class_weights.to(logits.device) if self.class_weights is not None else None
         target = labels.float() if labels.is_floating_point() else labels.long()
         return F.cross_entropy(
@@ -264,6 +271,11 @@ class Trainer:
         self.engine.eval()
         try:
             s = self.settings
+            if s.objective == "mae":
+                return reconstruction_on_ranks(
+                    self.engine, self.eval_set, s.batch_per_rank, s.data.crop, self.dist.rank, self.dist.world_size,
+                    self.device, s.data.workers, seed=s.seed,
+                )  # fmt: skip
             return evaluate_on_ranks(
                 self.engine,
                 self.eval_set,
@@ -286,6 +298,9 @@ class Trainer:
         summary = {**self.throughput.summary(), "peak_memory_gib": peak_memory_gib(self.device)}
         tag = self.run_dir.checkpoints.tag(self.step)
         state = self.layout.final_state(self.engine, self.run_dir.checkpoints, tag, main)
+        pretraining = self.settings.objective == "mae"
+        if pretraining:
+            state = encoder_state(state)  # the encoder alone, under the classifier's names
         if self.layout.evaluates_while_training:
             metrics = self.evaluate()
         elif main:
@@ -301,14 +316,14 @@ class Trainer:
             record = RunRecord.of_run(
                 s.model.name, s.model.overrides(), self.store, s.data.crop, metrics, self.step, self.dist
             )
+            if pretraining:
+                record.pretraining = {"objective": "mae", **dataclasses.asdict(s.mae)}
             weights = self.run_dir.write_final(state, record, metrics)
             result.update(metrics=metrics, weights=str(weights))
+            figure = "reconstruction loss" if pretraining else "video top-1"
+            value = metrics["loss"] if pretraining else metrics["video_top1"]
             log.info(
-                "finished at step %d: %s video top-1 %.3f; weights in %s",
-                self.step,
-                metrics["split"],
-                metrics["video_top1"],
-                weights,
+                "finished at step %d: %s %s %.4f; weights in %s", self.step, metrics["split"], figure, value, weights
             )
         torch.distributed.barrier()
         return result

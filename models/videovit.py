@@ -32,9 +32,21 @@ class VideoViTConfig:
     mlp_dim: int = 3072
     tubelet: tuple[int, int, int] = (2, 16, 16)
     attention: Literal["joint", "divided"] = "joint"
-    position: Literal["learned", "sincos"] = "learned"
+    position: Literal["learned", "sincos", "sincos-1d"] = "learned"
+    """A learned table, fixed sine-cosine codes over (time, height, width), or VideoMAE's fixed codes over the
+    flattened token index."""
     pool: Literal["mean", "cls"] = "mean"
     drop_path: float = 0.0
+    qkv_bias: Literal["qkv", "qv"] = "qkv"
+    """Biases of the attention's input projection: on q, k and v, or on q and v only (VideoMAE: k has none)."""
+    head_norm: Literal["tokens", "pooled"] = "tokens"
+    """The head's norm before pooling (over every token), or after it (VideoMAE's fc_norm with mean pooling)."""
+    layer_scale: float = 0.0
+    """Per-channel scales on each residual branch (CaiT's layer scale), starting at this value; 0: none."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon in the blocks (VideoMAE: 1e-6, its Hugging Face port: 1e-12)."""
+    head_norm_eps: float | None = None
+    """LayerNorm epsilon of the head's norm; None: norm_eps."""
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -71,7 +83,7 @@ class Embedding(nn.Module):
         if cfg.position == "learned":
             self.position = nn.Parameter(torch.randn(1, cfg.tokens, cfg.width) * 0.02)
         else:
-            self.register_buffer("position", sincos_3d(cfg.grid, cfg.width), persistent=False)
+            self.register_buffer("position", fixed_positions(cfg, cfg.grid), persistent=False)
         init_weights(self)
 
     def forward(self, clips: torch.Tensor) -> torch.Tensor:
@@ -88,6 +100,8 @@ class Embedding(nn.Module):
     def _position(self, grid: tuple[int, ...]) -> torch.Tensor:
         if grid == self.cfg.grid:
             return self.position
+        if self.cfg.position != "learned":  # computed codes: this grid's own
+            return fixed_positions(self.cfg, grid).to(self.position.device)
         # Another input size than the training one: interpolate the position table over the new grid.
         return interpolate_positions(self.position, self.cfg.grid, grid)
 
@@ -113,6 +127,23 @@ def fit_positions(table: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tens
     return interpolate_positions(table, (t, side, side), grid)
 
 
+def fixed_positions(cfg: VideoViTConfig, grid: tuple[int, ...]) -> torch.Tensor:
+    """The computed position codes of ``cfg.position`` over ``grid``."""
+    if cfg.position == "sincos-1d":
+        return sincos_1d(math.prod(grid), cfg.width)
+    return sincos_3d(tuple(grid), cfg.width)
+
+
+def sincos_1d(count: int, width: int) -> torch.Tensor:
+    """VideoMAE's fixed codes ``[1, count, width]``: channel j of token i is sin (j even) or cos (j odd) of
+    i / 10000^(2 floor(j/2) / width), the tokens in (time, height, width) order."""
+    position = torch.arange(count, dtype=torch.float64).unsqueeze(1)
+    j = torch.arange(width, dtype=torch.float64)
+    angle = position / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / width)
+    table = torch.where(j.long() % 2 == 0, angle.sin(), angle.cos())
+    return table.float().unsqueeze(0)
+
+
 def sincos_3d(grid: tuple[int, int, int], width: int) -> torch.Tensor:
     """Fixed sine-cosine position codes over (time, height, width), ``[1, t*h*w, width]``."""
     parts = [width // 3 // 2 * 2] * 2
@@ -129,15 +160,25 @@ def sincos_3d(grid: tuple[int, int, int], width: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    """Multi-head self-attention; ``bias="qv"`` gives q and v a bias and k none, as VideoMAE does."""
+
+    def __init__(self, width: int, heads: int, bias: Literal["qkv", "qv"] = "qkv") -> None:
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.qkv = nn.Linear(width, 3 * width, bias=bias == "qkv")
+        if bias == "qv":
+            self.q_bias = nn.Parameter(torch.zeros(width))
+            self.v_bias = nn.Parameter(torch.zeros(width))
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.qkv.bias is None:
+            bias = torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias]).to(x.dtype)
+            qkv = F.linear(x, self.qkv.weight.to(x.dtype), bias)
+        else:
+            qkv = self.qkv(x)
+        q, k, v = qkv.reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, d))
 
@@ -148,24 +189,30 @@ class Block(nn.Module):
     def __init__(self, cfg: VideoViTConfig, drop_path: float = 0.0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.norm1 = nn.LayerNorm(cfg.width)
-        self.attn = Attention(cfg.width, cfg.heads)
+        self.norm1 = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+        self.attn = Attention(cfg.width, cfg.heads, cfg.qkv_bias)
         if cfg.attention == "divided":
-            self.norm_time = nn.LayerNorm(cfg.width)
-            self.attn_time = Attention(cfg.width, cfg.heads)
-        self.norm2 = nn.LayerNorm(cfg.width)
+            self.norm_time = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+            self.attn_time = Attention(cfg.width, cfg.heads, cfg.qkv_bias)
+        self.norm2 = nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
         self.mlp = nn.Sequential(nn.Linear(cfg.width, cfg.mlp_dim), nn.GELU(), nn.Linear(cfg.mlp_dim, cfg.width))
         self.drop_path = drop_path
+        if cfg.layer_scale > 0:
+            self.gamma_1 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale))
+            self.gamma_2 = nn.Parameter(torch.full((cfg.width,), cfg.layer_scale))
         init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.attention == "divided":
             x = x + self._drop(self._divided(self.attn_time, self.norm_time(x), over="time"))
-            x = x + self._drop(self._divided(self.attn, self.norm1(x), over="space"))
+            x = x + self._drop(self._scale(self._divided(self.attn, self.norm1(x), over="space"), 1))
         else:
-            x = x + self._drop(self.attn(self.norm1(x)))
-        x = x + self._drop(self.mlp(self.norm2(x)))
+            x = x + self._drop(self._scale(self.attn(self.norm1(x)), 1))
+        x = x + self._drop(self._scale(self.mlp(self.norm2(x)), 2))
         return x.contiguous()
+
+    def _scale(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        return x * getattr(self, f"gamma_{branch}").to(x.dtype) if self.cfg.layer_scale > 0 else x
 
     def _divided(self, attn: Attention, x: torch.Tensor, over: str) -> torch.Tensor:
         cls, tokens = (x[:, :1], x[:, 1:]) if self.cfg.pool == "cls" else (None, x)
@@ -193,15 +240,16 @@ class Head(nn.Module):
 
     def __init__(self, cfg: VideoViTConfig) -> None:
         super().__init__()
-        self.pool = cfg.pool
-        self.norm = nn.LayerNorm(cfg.width)
+        self.pool, self.after_pool = cfg.pool, cfg.head_norm == "pooled"
+        self.norm = nn.LayerNorm(cfg.width, eps=cfg.norm_eps if cfg.head_norm_eps is None else cfg.head_norm_eps)
         self.fc = nn.Linear(cfg.width, cfg.num_classes)
         init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
+        if not self.after_pool:
+            x = self.norm(x)
         x = x[:, 0] if self.pool == "cls" else x.mean(dim=1)
-        return self.fc(x)
+        return self.fc(self.norm(x) if self.after_pool else x)
 
 
 def layer_specs(cfg: VideoViTConfig) -> list[tuple[type[nn.Module], tuple]]:
@@ -223,7 +271,8 @@ def init_weights(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)
-            nn.init.zeros_(m.bias)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
@@ -260,9 +309,10 @@ def parameters_estimate(cfg: VideoViTConfig) -> int:
     """Parameter count from the shapes (for describe, without building a 1B model)."""
     d, m = cfg.width, cfg.mlp_dim
     t, p, q = cfg.tubelet
-    block = 4 * d * d + 4 * d + 2 * d * m + m + d + 4 * d
+    attention = 4 * d * d + (4 * d if cfg.qkv_bias == "qkv" else 3 * d)
+    block = attention + 2 * d * m + m + d + 4 * d + (2 * d if cfg.layer_scale > 0 else 0)
     if cfg.attention == "divided":
-        block += 4 * d * d + 4 * d + 2 * d
+        block += attention + 2 * d
     embed = (
         3 * t * p * q * d + d + (cfg.tokens * d if cfg.position == "learned" else 0) + (d if cfg.pool == "cls" else 0)
     )

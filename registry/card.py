@@ -20,7 +20,7 @@ def model_card(r: dict[str, Any]) -> str:
     lines = [
         f"# {r['name']} v{r['version']}",
         "",
-        f"A {arch['model']} video classifier for {len(r['classes'])} classes, trained with clipforge.",
+        _what(r),
         "",
         "| | |",
         "| --- | --- |",
@@ -71,6 +71,22 @@ def model_card(r: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _what(r: dict[str, Any]) -> str:
+    """The card's first sentence: a classifier trained here, one imported, or an encoder from pretraining."""
+    model, imported, pretraining = r["architecture"]["model"], r.get("imported"), r.get("pretraining")
+    if pretraining:
+        return (
+            f"A {model} encoder pretrained as a masked autoencoder (mask ratio {pretraining['mask_ratio']}) with "
+            "clipforge, without a classifier: fine-tune it with `train.py --model.weights`."
+        )
+    if imported:
+        what = "encoder, without a classifier," if imported.get("encoder_only") else "video classifier"
+        if not imported.get("encoder_only"):
+            what += f" for {len(r['classes'])} classes,"
+        return f"A {model} {what} imported from a {imported['from']} checkpoint (sha256 `{imported['sha256'][:16]}`)."
+    return f"A {model} video classifier for {len(r['classes'])} classes, trained with clipforge."
 
 
 def _federation(fed: dict[str, Any] | None) -> list[str]:

@@ -253,7 +253,8 @@ class Registry:
                     "code_commit": run.code_commit,
                     "slurm_job_id": run.slurm_job_id,
                 }
-                for how in ("parameter_server", "federated"):  # how it trained, when not the plain trainer
+                # How it came to be, when not by the plain trainer.
+                for how in ("parameter_server", "federated", "imported", "pretraining"):
                     if getattr(run, how) is not None:
                         record[how] = getattr(run, how)
                 repo.git.checkout("-B", ref.branch, "origin/main")

@@ -17,6 +17,7 @@ def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[
 
     train = [r for r in rows if r.get("kind") == "train" and "loss" in r]
     evals = [r for r in rows if r.get("kind") == "eval"]
+    scored = [r for r in evals if "clip_top1" in r]  # pretraining evaluates its loss alone
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -24,8 +25,9 @@ def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         ax1.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label=f"{evals[-1]['split']} loss")
-        ax2.plot([r["step"] for r in evals], [r["clip_top1"] for r in evals], "o-", label="clip top-1")
-        ax2.plot([r["step"] for r in evals], [r["video_top1"] for r in evals], "s-", label="video top-1")
+    if scored:
+        ax2.plot([r["step"] for r in scored], [r["clip_top1"] for r in scored], "o-", label="clip top-1")
+        ax2.plot([r["step"] for r in scored], [r["video_top1"] for r in scored], "s-", label="video top-1")
         ax2.set_ylim(0, 1)
         ax2.legend()
     ax1.set_xlabel("step"), ax1.set_ylabel("loss")
@@ -36,8 +38,8 @@ def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[
     fig.savefig(out / "curves.png", dpi=100)
     plt.close(fig)
     paths.append(out / "curves.png")
-    if evals:
-        confusion = np.array(evals[-1]["confusion"])
+    if scored:
+        confusion = np.array(scored[-1]["confusion"])
         fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(classes), 1 + 0.6 * len(classes)))
         ax.imshow(confusion, cmap="Blues")
         ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
@@ -46,7 +48,7 @@ def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[
         for i in range(len(classes)):
             for j in range(len(classes)):
                 ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8)
-        ax.set_title(f"{evals[-1]['split']} videos, step {evals[-1]['step']}")
+        ax.set_title(f"{scored[-1]['split']} videos, step {scored[-1]['step']}")
         fig.tight_layout()
         fig.savefig(out / "confusion.png", dpi=100)
         plt.close(fig)

@@ -57,6 +57,15 @@ class RunRecord:
     """Parameter-server figures (mode, updates, staleness), for runs of that mode."""
     federated: dict[str, Any] | None = None
     """Federated-averaging figures (rounds, clients), for runs of that mode."""
+    imported: dict[str, Any] | None = None
+    """Where imported weights came from (format, file, its sha256), for ``clipforge models import``."""
+    pretraining: dict[str, Any] | None = None
+    """The self-supervised objective (masked autoencoding, its mask ratio), for pretraining runs."""
+
+    @property
+    def encoder_only(self) -> bool:
+        """Weights without a classifier (a pretraining run, an imported pretraining checkpoint): fine-tune first."""
+        return self.pretraining is not None or bool((self.imported or {}).get("encoder_only"))
 
     @classmethod
     def of_run(
@@ -79,9 +88,9 @@ class RunRecord:
             crop=crop,
             store=str(store.root),
             data_fingerprint=store.fingerprint(),
-            metrics={k: float(metrics[k]) for k in HEADLINE_METRICS},
+            metrics={k: float(metrics[k]) for k in HEADLINE_METRICS if k in metrics},
             metrics_split=metrics["split"],
-            per_class_accuracy=metrics["per_class_accuracy"],
+            per_class_accuracy=metrics.get("per_class_accuracy", {}),
             steps=steps,
             world_size=dist.world_size,
             code_commit=code_commit(),

@@ -157,6 +157,16 @@ class RunDir:
         plot_run(self.metrics(), record.classes, self.root / "plots")
         return self.weights
 
+    def write_imported(self, state: dict[str, Any], record: RunRecord) -> Path:
+        """Weights and record of a model that was not trained here (an imported checkpoint); returns the weights."""
+        from safetensors.torch import save_file
+
+        final = self.root / FINAL
+        final.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(self.weights))
+        write_json(final / RECORD, record.to_dict())
+        return self.weights
+
     def is_finished(self) -> bool:
         return (self.root / FINAL / RECORD).is_file() and self.weights.is_file()
 

@@ -11,7 +11,9 @@ locality, codecs), the training loop (the Trainer beside a bare loop of its own
 model), the registry (push and pull against their floor and plain
 git with git-lfs, list at 1,000 versions), the parameter server (sync against
 SSP and async with a straggler), federated training (Flower's FedAvg, bf16
-updates, SecAgg+ and DP per round, accuracy under a privacy budget) and the nodes (one node against three on the
+updates, SecAgg+ and DP per round, accuracy under a privacy budget), pretraining (masked
+autoencoding's clips/s beside fine-tuning's, and fine-tuning with a tenth of the labels from it
+against from scratch) and the nodes (one node against three on the
 multi-node cluster, and the time from a node's loss to resumed training).
 Each prints its own table with ratios; this job collects them.
 """
@@ -37,6 +39,7 @@ BENCHMARKS = [
     ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
     ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),
     ("Federated training on Flower: FedAvg, bf16, SecAgg+, DP; accuracy at a budget", "clipforge.jobs.bench.fl", []),
+    ("Pretraining: masked autoencoding beside fine-tuning, and few labels", "clipforge.jobs.bench.pretrain", []),
     ("Nodes: one node against three, and a node lost", "clipforge.jobs.bench.nodes", []),
 ]
 

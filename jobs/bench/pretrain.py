@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Benchmark of masked-autoencoder pretraining: its speed beside fine-tuning, and what it buys with few labels.
+
+    python jobs/bench/pretrain.py [--repeats 3] [--pretrain-steps 300] [--fine-tune-steps 120] [--label-share 0.1]
+
+Makes a motion corpus of six classes and packs it twice from one split: every
+training video (the unlabelled pool pretraining reads, labels ignored) and a
+``--label-share`` of them per class (the labels fine-tuning gets), with the same
+validation videos. Each repeat pretrains the encoder on the pool, then fine-tunes
+it and trains the same model from scratch on the labelled share, the two in
+alternating order, and reads video top-1 on the validation videos. It prints:
+
+- pretraining clips/s beside fine-tuning clips/s of the same encoder at the same
+  batch (the encoder of a masked autoencoder sees 1 - mask ratio of the tokens);
+- video top-1 of fine-tuning from the pretraining and of training from scratch,
+  and their paired differences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+from clipforge.hpc.mpi import mpiexec_command
+from clipforge.preprocess import synthetic
+from clipforge.rundir import RunDir
+
+MODEL = ["--model.name", "videovit-tiny", "--model.depth", "4", "--model.tubelet", "2", "8", "8"]
+MODEL += ["--model.position", "sincos-1d", "--model.qkv-bias", "qv", "--model.head-norm", "pooled"]
+
+
+@dataclasses.dataclass
+class Config:
+    """Pretraining throughput beside fine-tuning, and fine-tuning with few labels from it against from scratch."""
+
+    repeats: int = 3
+    """Pretrain, fine-tune and from-scratch runs per side, seeds 0 ... repeats-1, alternating the order."""
+    pretrain_steps: int = 300
+    """Pretraining steps (batch 8)."""
+    fine_tune_steps: int = 120
+    """Fine-tuning steps, and the from-scratch run's (batch 8)."""
+    label_share: float = 0.1
+    """The share of the training videos whose labels fine-tuning sees (at least one per class)."""
+    videos_per_class: int = 30
+    """Videos of each of the six motion classes."""
+
+
+def pack(manifest: Path, out: Path) -> Path:
+    argv = [*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(manifest)]
+    argv += ["--out", str(out), "--clip-frames", "8", "--frame-stride", "2", "--height", "32", "--width", "32"]
+    argv += ["--clips-per-video", "4"]
+    subprocess.run(argv, check=True, capture_output=True)
+    return out
+
+
+def train(store: Path, run: Path, steps: int, seed: int, *extra: str) -> dict:
+    argv = [*mpiexec_command(1), sys.executable, "-m", "clipforge.jobs.train", "--data.store", str(store)]
+    argv += ["--run-dir", str(run), "--steps", str(steps), "--batch-per-rank", "8", "--data.workers", "0"]
+    argv += ["--eval-every", "100000", "--checkpoint-every", "100000", "--seed", str(seed), *extra]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{run.name} failed:\n{result.stderr[-3000:]}")
+    summary = RunDir(run).metrics("summary")[-1]
+    record = RunDir(run).record()
+    return {"clips_per_s": summary["clips_per_s"], **record.metrics}
+
+
+def manifests(videos: Path, work: Path, share: float) -> tuple[Path, Path]:
+    """Two manifests over one split: every training video, and ``share`` of them per class; the same val videos."""
+    rng = np.random.default_rng(0)
+    pool, labelled = ["path,label,split"], ["path,label,split"]
+    for folder in sorted(p for p in videos.iterdir() if p.is_dir()):
+        files = sorted(folder.iterdir())
+        order = rng.permutation(len(files))
+        val = {files[i] for i in order[: len(files) * 3 // 10]}
+        train = [f for f in files if f not in val]
+        keep = set(train[: max(1, round(share * len(train)))])
+        for f in files:
+            split = "val" if f in val else "train"
+            pool.append(f"{f},{folder.name},{split}")
+            if f in val or f in keep:
+                labelled.append(f"{f},{folder.name},{split}")
+    (work / "pool.csv").write_text("\n".join(pool) + "\n")
+    (work / "labelled.csv").write_text("\n".join(labelled) + "\n")
+    return work / "pool.csv", work / "labelled.csv"
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def main(cfg: Config) -> None:
+    with tempfile.TemporaryDirectory(prefix="clipforge-bench-pretrain-") as tmp:
+        work = Path(tmp)
+        synthetic.make_corpus(work / "videos", videos_per_class=cfg.videos_per_class, frames=(48, 64), seed=3)
+        pool_csv, labelled_csv = manifests(work / "videos", work, cfg.label_share)
+        pool, labelled = pack(pool_csv, work / "pool"), pack(labelled_csv, work / "labelled")
+        n_pool = sum(1 for line in pool_csv.read_text().splitlines() if line.endswith(",train"))
+        n_labelled = sum(1 for line in labelled_csv.read_text().splitlines() if line.endswith(",train"))
+        rows = []
+        for seed in range(cfg.repeats):
+            mae = work / f"mae-{seed}"
+            pre = train(pool, mae, cfg.pretrain_steps, seed, *MODEL, "--objective", "mae", "--optim.lr", "1.5e-3")
+            print(f"  seed {seed}: pretraining {pre['clips_per_s']:.1f} clips/s", file=sys.stderr, flush=True)
+            sides = {
+                "fine-tuned": ["--model.weights", str(mae), "--model.drop-path", "0.1"],
+                "from scratch": [*MODEL, "--model.drop-path", "0.1"],
+            }
+            order = list(sides) if seed % 2 == 0 else list(reversed(sides))
+            got = {}
+            for side in order:
+                got[side] = train(labelled, work / f"{side}-{seed}".replace(" ", "-"), cfg.fine_tune_steps, seed,
+                                  *sides[side], "--optim.lr", "1e-3")  # fmt: skip
+                print(f"  seed {seed}: {side} video top-1 {got[side]['video_top1']:.3f}", file=sys.stderr, flush=True)
+            rows.append({"pretrain": pre, **got})
+
+    ratio = [r["pretrain"]["clips_per_s"] / r["fine-tuned"]["clips_per_s"] for r in rows]
+    gain = [r["fine-tuned"]["video_top1"] - r["from scratch"]["video_top1"] for r in rows]
+    print(
+        f"\nvideovit-tiny depth 4, 8x32x32 clips in 2x8x8 tubelets (64 tokens), batch 8, 1 process; "
+        f"{cfg.repeats} seeds, fine-tuning and from scratch alternating\n"
+    )
+    print(f"{'run':<34} {'clips/s':>8} {'vs fine-tuning':>15} {'min-max':>11}")
+    pre_s = [r["pretrain"]["clips_per_s"] for r in rows]
+    fine_s = [r["fine-tuned"]["clips_per_s"] for r in rows]
+    print(f"{'pretraining (mask 0.9, decoder 4)':<34} {statistics.median(pre_s):8.1f} "
+          f"{statistics.median(ratio):14.2f}x {spread(ratio):>11}")  # fmt: skip
+    print(f"{'fine-tuning (all tokens)':<34} {statistics.median(fine_s):8.1f}")
+    print(
+        f"\nvideo top-1 on {cfg.videos_per_class * 6 * 3 // 10} validation videos, {cfg.fine_tune_steps} steps on "
+        f"{n_labelled} labelled training videos ({n_labelled / n_pool:.0%} of the {n_pool} pretraining saw)\n"
+    )
+    print(f"{'seed':>4} {'fine-tuned':>11} {'from scratch':>13} {'difference':>11}")
+    for seed, r in enumerate(rows):
+        a, b = r["fine-tuned"]["video_top1"], r["from scratch"]["video_top1"]
+        print(f"{seed:>4} {a:11.3f} {b:13.3f} {a - b:+11.3f}")
+    print(f"median difference {statistics.median(gain):+.3f} (min {min(gain):+.3f}, max {max(gain):+.3f})")
+    print("\ngoal: pretraining >= 3x the clips/s of fine-tuning on a GPU; fine-tuned above from scratch")
+    print(json.dumps({"ratio": ratio, "gain": gain}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))

@@ -1,0 +1,102 @@
+"""Masked-autoencoder pretraining with real DeepSpeed ranks on the Slurm cluster, and fine-tuning from it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clipforge.models.builders import create_model, start_from
+from clipforge.models.settings import ModelSettings
+from clipforge.rundir import RunDir
+from tests.test_train import TINY, losses, train
+
+MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--optim.lr", "2e-3", "--optim.warmup-steps", "2"]
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def pretrained(slurm, tiny_store: Path, tmp_path_factory) -> tuple[Path, Path, str]:
+    """Two pretraining jobs of 2 Slurm tasks: one uninterrupted, one requeued by Slurm after its first checkpoint."""
+    from clipforge.hpc.launch import run_script
+
+    root = tmp_path_factory.mktemp("mae")
+    args = ["--cluster", "dev", "--ntasks-per-node", "2", "--data.store", str(tiny_store), "--steps", str(STEPS)]
+    args += ["--eval-every", "20", "--checkpoint-every", "10", "--data.workers", "0", *TINY, *MAE]
+    run_script("clipforge.jobs.train", [*args, "--wait", "True", "--run-dir", str(root / "reference")])
+    run = root / "requeued"
+    job = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run)])
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step-00000010" / "complete.json").exists():
+        assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]
+        time.sleep(0.05)
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+    job.results()
+    return root / "reference", run, Path(str(job.paths.stderr)).read_text()
+
+
+def test_pretraining_requeued_by_slurm_resumes_with_the_same_losses_and_the_loss_falls(pretrained) -> None:
+    reference, run, log = pretrained
+    assert "resumed from checkpoint step-000000" in log, log[-3000:]
+    got, expected = losses(run), losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == expected[s] for s in range(11, STEPS + 1)), (got, expected)  # the masks repeat too
+    first, last = [expected[s] for s in range(1, 9)], [expected[s] for s in range(STEPS - 7, STEPS + 1)]
+    assert sum(last) / len(last) < 0.95 * sum(first) / len(first), expected
+    evaluated = [r["loss"] for r in RunDir(reference).metrics("eval")]
+    assert len(evaluated) == 2 and evaluated[1] < evaluated[0]  # on the held-out clips too
+    record = RunDir(run).record()
+    assert record.pretraining["mask_ratio"] == 0.9 and record.encoder_only and "loss" in record.metrics
+    # The run ends with the encoder alone, under the classifier's names: embedding 0., blocks 1. and 2.
+    weights = load_file(str(run / "final" / "model.safetensors"))
+    assert {k.split(".")[0] for k in weights} == {"0", "1", "2"}
+
+
+def test_the_pretrained_encoder_fine_tunes_from_its_run_with_its_architecture(pretrained, tmp_path: Path) -> None:
+    _, run, _ = pretrained
+    model = ModelSettings(weights=run)
+    model.adopt_start()
+    assert model.name == "videovit-tiny" and model.depth == 2 and model.tubelet == (2, 8, 8)
+    assert model.weights == run / "final" / "model.safetensors"
+    classifier = create_model(model.name, 4, 8, 32, **model.overrides())
+    assert start_from(classifier, model.weights) == ["3.norm.weight", "3.norm.bias", "3.fc.weight", "3.fc.bias"]
+    encoder = load_file(str(model.weights))
+    assert all(torch.equal(classifier.state_dict()[k], v) for k, v in encoder.items())
+    asked = ModelSettings(name="videovit-small", weights=run)
+    with pytest.raises(Exception, match="are a videovit-tiny; drop --model.name"):
+        asked.adopt_start()
+
+
+def test_the_pretrained_encoder_fine_tunes_through_the_registry(
+    mpiexec, pretrained, tiny_store: Path, tmp_path: Path
+) -> None:
+    from clipforge.registry.repo import Registry
+
+    _, run, _ = pretrained
+    registry = Registry.init(str(tmp_path / "registry.git"))
+    ref = registry.push(run, "tiny-mae")
+    assert "pretrained as a masked autoencoder" in registry.card(ref)
+    weights = ["--model.weights", f"registry:{ref.name}@v{ref.version}", "--model.registry", registry.remote]
+    result = train(mpiexec, tiny_store, tmp_path / "fine", *weights, ranks=1, steps=4)
+    assert "3.fc.weight" in result.stderr and "an encoder from pretraining" in result.stderr
+    assert RunDir(tmp_path / "fine").record().metrics["video_top1"] >= 0.0
+
+
+def test_pretraining_refuses_what_it_cannot_do_in_one_line(tiny_store: Path, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "clipforge.jobs.train", "--data.store", str(tiny_store), "--run-dir", str(tmp_path)]
+    argv += ["--objective", "mae", "--executor", "debug", "--ntasks-per-node", "1"]
+    cases = {
+        ("--model.name", "r2plus1d_18"): "pretrains a videovit-* encoder; r2plus1d_18 is not one",
+        ("--mae.mask-ratio", "1.5"): "--mae.mask-ratio 1.5: give a share between 0 and 1",
+        ("--model.attention", "divided"): "joint attention and mean pooling",
+    }
+    for extra, expected in cases.items():
+        result = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=120)
+        errors = [line for line in result.stderr.splitlines() if "clipforge: error" in line]
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert len(errors) == 1 and expected in errors[0], errors
