@@ -91,10 +91,7 @@ def test_a_transformers_videomae_classifier_imports_with_its_logits(tmp_path: Pa
     reference = randomise(transformers.VideoMAEForVideoClassification(small_config()))
     reference.config.id2label = {i: f"action {i}" for i in range(5)}
     reference.save_pretrained(tmp_path / "hf")
-    argv = [sys.executable, "-m", "clipforge.jobs.cli", "models", "import", str(tmp_path / "hf"), "--from", "hf"]
-    result = subprocess.run([*argv, "--name", "vmae", "--out", str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "videovit-tiny" in result.stdout and "vmae" in result.stdout
+    import_checkpoint(tmp_path / "hf", "hf", tmp_path / "vmae")  # the command line: the refusal test below
     record = RunDir(tmp_path / "vmae").record()
     assert record.classes == [f"action {i}" for i in range(5)] and record.imported["from"] == "hf"
     ours = imported_model(tmp_path / "vmae")

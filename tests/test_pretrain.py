@@ -17,7 +17,7 @@ from clipforge.rundir import RunDir
 from tests.test_train import TINY, losses, train
 
 MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--optim.lr", "2e-3", "--optim.warmup-steps", "2"]
-STEPS = 40
+STEPS = 30
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def pretrained(slurm, tiny_store: Path, tmp_path_factory) -> tuple[Path, Path, s
 
     root = tmp_path_factory.mktemp("mae")
     args = ["--cluster", "dev", "--ntasks-per-node", "2", "--data.store", str(tiny_store), "--steps", str(STEPS)]
-    args += ["--eval-every", "20", "--checkpoint-every", "10", "--data.workers", "0", *TINY, *MAE]
+    args += ["--eval-every", "15", "--checkpoint-every", "10", "--data.workers", "0", *TINY, *MAE]
     run_script("clipforge.jobs.train", [*args, "--wait", "True", "--run-dir", str(root / "reference")])
     run = root / "requeued"
     job = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run)])
