@@ -74,18 +74,37 @@ def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 
 # -- VideoMAE and VideoMAE V2 -------------------------------------------------------------------------------------
-_VIDEOMAE_BLOCK = {
-    "norm1": "norm1",
-    "attn.qkv": "attn.qkv",
-    "attn.q_bias": "attn.q_bias",
-    "attn.v_bias": "attn.v_bias",
-    "attn.proj": "attn.proj",
-    "norm2": "norm2",
-    "mlp.fc1": "mlp.0",
-    "mlp.fc2": "mlp.2",
-    "gamma_1": "gamma_1",
-    "gamma_2": "gamma_2",
-}
+@dataclasses.dataclass(frozen=True)
+class KeyMap:
+    """How a format names videovit's tensors: prefixes of whole layers, and the names inside a block."""
+
+    source: str
+    prefixes: dict[str, str]
+    """A key's prefix and what replaces it; ``{head}`` is the head's layer index (depth + 1)."""
+    block: str
+    """A block's keys: a pattern with groups ``i`` (its index), ``name`` and ``rest`` (.weight, .bias or none)."""
+    names: dict[str, str]
+    """A name inside a block and videovit's name for it."""
+
+    def place(self, key: str, depth: int) -> str:
+        """Where ``key`` goes in videovit's layers (``0.`` embedding, ``i + 1.`` block i, ``depth + 1.`` head)."""
+        for prefix, target in self.prefixes.items():
+            if key.startswith(prefix):
+                return target.format(head=depth + 1) + key[len(prefix) :]
+        match = re.fullmatch(self.block, key)
+        if match and match["name"] in self.names:
+            return f"{int(match['i']) + 1}.{self.names[match['name']]}{match['rest'] or ''}"
+        raise ModelError(f"{key}: no place for it in videovit (a {self.source} feature clipforge does not build)")
+
+
+VIDEOMAE = KeyMap(
+    "VideoMAE",
+    {"patch_embed.proj.": "0.proj.", "pos_embed": "0.position", "fc_norm.": "{head}.norm.", "head.": "{head}.fc."},
+    r"blocks\.(?P<i>\d+)\.(?P<name>.+?)(?P<rest>\.weight|\.bias)?",
+    {"norm1": "norm1", "attn.qkv": "attn.qkv", "attn.q_bias": "attn.q_bias", "attn.v_bias": "attn.v_bias",
+     "attn.proj": "attn.proj", "norm2": "norm2", "mlp.fc1": "mlp.0", "mlp.fc2": "mlp.2", "gamma_1": "gamma_1",
+     "gamma_2": "gamma_2"},
+)  # fmt: skip
 
 
 def from_videomae(
@@ -132,34 +151,19 @@ def from_videomae(
     _check_size(size, heads, mlp, overrides)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        out[_videomae_key(key, depth)] = value
+        out[VIDEOMAE.place(key, depth)] = value
     classes = [] if encoder_only else [f"class-{i:03d}" for i in range(state["head.weight"].shape[0])]
     return Imported(f"videovit-{size}", overrides, classes, frames, image_size, out, encoder_only, notes)
 
 
-def _videomae_key(key: str, depth: int) -> str:
-    if key.startswith("patch_embed.proj."):
-        return "0.proj." + key.rsplit(".", 1)[1]
-    if key == "pos_embed":
-        return "0.position"
-    match = re.fullmatch(r"blocks\.(\d+)\.(.+?)(\.weight|\.bias)?", key)
-    if match and match[2] in _VIDEOMAE_BLOCK:
-        return f"{int(match[1]) + 1}.{_VIDEOMAE_BLOCK[match[2]]}{match[3] or ''}"
-    if key.startswith("fc_norm."):
-        return f"{depth + 1}.norm." + key.rsplit(".", 1)[1]
-    if key.startswith("head."):
-        return f"{depth + 1}.fc." + key.rsplit(".", 1)[1]
-    raise ModelError(f"{key}: no place for it in videovit (a VideoMAE feature clipforge does not build)")
-
-
 # -- Hugging Face transformers -----------------------------------------------------------------------------------
-_HF_LAYER = {
-    "attention.output.dense": "attn.proj",
-    "layernorm_before": "norm1",
-    "layernorm_after": "norm2",
-    "intermediate.dense": "mlp.0",
-    "output.dense": "mlp.2",
-}
+HUGGING_FACE = KeyMap(
+    "transformers VideoMAE",
+    {"embeddings.patch_embeddings.projection.": "0.proj.", "fc_norm.": "{head}.norm.", "classifier.": "{head}.fc."},
+    r"encoder\.layer\.(?P<i>\d+)\.(?P<name>.+?)(?P<rest>\.weight|\.bias)",
+    {"attention.output.dense": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
+     "intermediate.dense": "mlp.0", "output.dense": "mlp.2"},
+)  # fmt: skip
 
 
 def from_hf(folder: Path) -> Imported:
@@ -216,7 +220,7 @@ def from_hf(folder: Path) -> Imported:
         out[f"{i + 1}.attn.q_bias"] = q_bias if q_bias is not None else torch.zeros(width)
         out[f"{i + 1}.attn.v_bias"] = v_bias if v_bias is not None else torch.zeros(width)
     for key, value in state.items():
-        out[_hf_key(key, depth)] = value
+        out[HUGGING_FACE.place(key, depth)] = value
     labels = config.get("id2label") or {}
     classes = (
         []
@@ -224,19 +228,6 @@ def from_hf(folder: Path) -> Imported:
         else [labels.get(str(i), f"class-{i:03d}") for i in range(out[f"{depth + 1}.fc.weight"].shape[0])]
     )
     return Imported(f"videovit-{size}", overrides, classes, frames, image_size, out, encoder_only, notes)
-
-
-def _hf_key(key: str, depth: int) -> str:
-    if key.startswith("embeddings.patch_embeddings.projection."):
-        return "0.proj." + key.rsplit(".", 1)[1]
-    match = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)", key)
-    if match and match[2] in _HF_LAYER:
-        return f"{int(match[1]) + 1}.{_HF_LAYER[match[2]]}.{match[3]}"
-    if key.startswith("fc_norm."):
-        return f"{depth + 1}.norm." + key.rsplit(".", 1)[1]
-    if key.startswith("classifier."):
-        return f"{depth + 1}.fc." + key.rsplit(".", 1)[1]
-    raise ModelError(f"{key}: no place for it in videovit (a transformers VideoMAE feature clipforge does not build)")
 
 
 # -- torchvision -----------------------------------------------------------------------------------------------
@@ -249,8 +240,8 @@ def from_torchvision(state: dict[str, torch.Tensor], model: str, frames: int, im
         raise ModelError(f"no classifier (fc, head.1 or classifier.1) in the state dict: not a torchvision {model}")
     classes = state[head].shape[0]
     arch = architecture(model, classes, frames, image_size)
-    parts = [args[2] for make, args in arch.layers if len(args) == 3 and isinstance(args[2], str)]
-    index = {args[2]: i for i, (make, args) in enumerate(arch.layers) if len(args) == 3 and isinstance(args[2], str)}
+    index = {args[2]: i for i, (_, args) in enumerate(arch.layers) if len(args) == 3 and isinstance(args[2], str)}
+    parts = list(index)
     out = {}
     for key, value in state.items():
         if "" in index:
