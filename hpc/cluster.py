@@ -28,7 +28,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from .errors import UserError
+from clipforge.base.errors import UserError
+
 from .nodes import NodeNetwork
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from collections.abc import Mapping, MutableMapping
 
 from submitit.slurm.slurm import _parse_node_list
 
-from .errors import UserError
+from clipforge.base.errors import UserError
 
 PORT_BASE = 20000
 PORT_SPAN = 12000

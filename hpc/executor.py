@@ -19,7 +19,8 @@ from typing import Any, Literal
 import submitit
 from submitit.helpers import clean_env
 
-from .files import write_json
+from clipforge.base.files import write_json
+
 from .profile import ClusterProfile
 from .resources import ResourceError, Resources
 

@@ -37,10 +37,11 @@ from typing import Any, Literal
 
 import submitit
 
+from clipforge.base.errors import UserError
+from clipforge.base.logs import ERROR_PREFIX, failure_reason, setup_logging
+
 from .distenv import LaunchError
-from .errors import UserError
 from .executor import job_logs, make_executor, submit
-from .logs import ERROR_PREFIX, failure_reason, setup_logging
 from .mpi import mpiexec_command
 from .profile import ClusterProfile, load_profile
 from .requeue import RequeueableJob

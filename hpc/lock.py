@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from clipforge.base.errors import UserError
+
 from .cluster import process_alive
-from .errors import UserError
 
 LOCK_NAME = ".clipforge-writer.json"
 HEARTBEAT_S = 30.0

@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .errors import UserError
+from clipforge.base.errors import UserError
 
 
 class NodeNetworkError(UserError):

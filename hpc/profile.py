@@ -18,7 +18,8 @@ from typing import Literal
 
 import yaml
 
-from .errors import UserError
+from clipforge.base.errors import UserError
+
 from .resources import ResourceError, Resources, parse_time
 
 SHIPPED = Path(__file__).parent / "profiles"

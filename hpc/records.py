@@ -16,11 +16,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from clipforge.base.errors import UserError
+from clipforge.base.files import write_json
+from clipforge.base.logs import failure_reason
+
 from .cluster import process_alive
-from .errors import UserError
 from .executor import RECORD, job_logs, jobs_root
-from .files import write_json
-from .logs import failure_reason
 
 POLL_INTERVAL_S = 30.0
 ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")

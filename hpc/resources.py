@@ -12,7 +12,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
-from .errors import UserError
+from clipforge.base.errors import UserError
 
 if TYPE_CHECKING:
     from .profile import ClusterProfile

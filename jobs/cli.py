@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from clipforge.base.logs import setup_logging
 from clipforge.hpc import records
 from clipforge.hpc.cluster import LocalCluster
 from clipforge.hpc.launch import job_spec, run_script
-from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config

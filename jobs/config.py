@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import tyro
 import yaml
 
-from clipforge.hpc.errors import UserError
-from clipforge.hpc.logs import ERROR_PREFIX
+from clipforge.base.errors import UserError
+from clipforge.base.logs import ERROR_PREFIX
 
 T = TypeVar("T")
 

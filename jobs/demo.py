@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from clipforge.hpc.files import sha256
+from clipforge.base.files import sha256
 from clipforge.hpc.launch import run_script
 from clipforge.jobs import evaluate
 from clipforge.preprocess import synthetic

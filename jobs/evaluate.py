@@ -41,9 +41,9 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from clipforge.base.logs import Progress, setup_logging
 from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
 from clipforge.hpc.launch import JobSpec, Launch, run_script
-from clipforge.hpc.logs import Progress, setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import classifier_run, load_trained

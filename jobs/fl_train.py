@@ -46,9 +46,9 @@ from typing import Annotated, Literal
 
 import tyro
 
+from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import dist_env, free_port
 from clipforge.hpc.launch import JobSpec, Launch, run_script
-from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import architecture

@@ -37,9 +37,9 @@ from typing import Annotated
 
 import tyro
 
+from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import check_mpi_world, dist_env
 from clipforge.hpc.launch import JobSpec, Launch, run_script
-from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.mpi import mpi
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config

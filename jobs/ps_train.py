@@ -35,9 +35,9 @@ from typing import Annotated
 
 import tyro
 
+from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import dist_env
 from clipforge.hpc.launch import JobSpec, Launch, run_script
-from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.ps import run as ps

@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from clipforge.base.files import write_json
+from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import setup_distributed
-from clipforge.hpc.files import write_json
 from clipforge.hpc.launch import JobSpec, Launch, run_script
-from clipforge.hpc.logs import setup_logging
 from clipforge.hpc.requeue import on_requeue
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config

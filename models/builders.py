@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 from clipforge.rundir import RunDir, RunRecord
 
 from . import videovit

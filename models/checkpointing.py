@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv, collective_device
-from clipforge.hpc.errors import UserError
 from clipforge.rundir import CheckpointIndex
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from clipforge.base.files import update_sha256
+
 from . import videovit
 from .builders import TORCHVISION, ModelError, architecture
 
@@ -350,7 +352,5 @@ def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
         if file.is_file():
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
+            update_sha256(digest, file)
     return digest.hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 Precision = Literal["fp32", "bf16", "fp16"]
 

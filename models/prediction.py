@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 from .evaluation import softmax
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv, collective_device
-from clipforge.hpc.errors import UserError
 from clipforge.rundir import CheckpointIndex
 
 from .settings import TrainError, TrainSettings

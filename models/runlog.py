@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clipforge.hpc.logs import Progress
+from clipforge.base.logs import Progress
 from clipforge.rundir import RunDir
 
 from .throughput import Throughput

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 

@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 
 class ViewsError(UserError):

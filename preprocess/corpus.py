@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 VIDEO_EXTENSIONS = frozenset(
     {

@@ -31,7 +31,7 @@ import av
 import av.video.reformatter
 import numpy as np
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 
 class ClipParamsError(UserError):

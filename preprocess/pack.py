@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
+from clipforge.base.logs import Progress
 from clipforge.hpc.lock import WriterLock
-from clipforge.hpc.logs import Progress
 from clipforge.hpc.lustre import stripe_directory
 from clipforge.hpc.mpi import mpi
 

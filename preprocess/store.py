@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import h5py
 import numpy as np
 
-from clipforge.hpc.errors import UserError
-from clipforge.hpc.files import sha256, write_json, write_text
+from clipforge.base.errors import UserError
+from clipforge.base.files import sha256, write_json, write_text
 
 if TYPE_CHECKING:
     import torch  # the packer never imports torch; the device decode does, when called

@@ -14,7 +14,7 @@ import datetime
 import ipaddress
 from pathlib import Path
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"

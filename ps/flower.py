@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 from . import certs
 

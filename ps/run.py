@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch.distributed import rpc
 
+from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv
-from clipforge.hpc.errors import UserError
 from clipforge.models.builders import Architecture, architecture, load_weights
 from clipforge.models.evaluation import evaluate_model
 from clipforge.models.settings import DataSettings, ModelSettings

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch.distributed import rpc
 
-from clipforge.hpc.files import replacing
+from clipforge.base.files import replacing
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 
 HOOK_MARK = "clipforge registry hook"
 TRAILER = "Registry-Version"

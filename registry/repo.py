@@ -44,7 +44,7 @@ from typing import Any
 import git
 import yaml
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 from clipforge.rundir import RunDir
 
 from . import protect

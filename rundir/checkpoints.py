@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from clipforge.hpc.files import sha256, write_json
+from clipforge.base.files import sha256, write_json
 
 COMPLETE = "complete.json"
 LATEST = "latest.json"

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from clipforge.hpc.errors import UserError
-from clipforge.hpc.files import replacing, write_json, write_text
+from clipforge.base.errors import UserError
+from clipforge.base.files import replacing, write_json, write_text
 
 from .checkpoints import CheckpointIndex
 from .plots import plot_run

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from clipforge.hpc.errors import UserError
+from clipforge.base.errors import UserError
 from clipforge.models.prediction import PredictionLog
 from clipforge.models.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly

@@ -112,7 +112,7 @@ FLAGS = st.sampled_from(
 @given(argv=st.lists(st.one_of(FLAGS, ARG), max_size=6))
 def test_random_command_lines_get_one_line_or_run_never_a_traceback(argv: list[str], tiny_store: Path) -> None:
     """Whatever is typed, the job refuses in one line (or argparse's usage) before submitting anything."""
-    from clipforge.hpc.errors import UserError
+    from clipforge.base.errors import UserError
     from clipforge.jobs import train as train_job
 
     try:

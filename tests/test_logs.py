@@ -8,7 +8,7 @@ import sys
 
 def test_progress_off_a_terminal_is_plain_log_lines_without_carriage_returns(tmp_path) -> None:
     code = (
-        "from clipforge.hpc.logs import Progress, setup_logging\n"
+        "from clipforge.base.logs import Progress, setup_logging\n"
         "setup_logging(0)\n"
         "p = Progress(5, 'packing', unit='video', interval_s=0)\n"
         "for i in range(5): p.update(1, clips=4 * (i + 1))\n"

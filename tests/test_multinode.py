@@ -157,7 +157,7 @@ def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_ru
 
 
 def test_a_host_that_cannot_make_the_nodes_is_refused_in_one_line() -> None:
-    from clipforge.hpc.errors import UserError
+    from clipforge.base.errors import UserError
     from clipforge.hpc.nodes import NodeNetwork
 
     with pytest.raises(UserError, match="2 to 9 nodes") as too_many:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from clipforge.hpc.files import sha256
+from clipforge.base.files import sha256
 from clipforge.models.builders import ModelError, load_weights
 from clipforge.registry import protect
 from clipforge.registry.repo import Ref, Registry, RegistryError

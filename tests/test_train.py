@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import free_port
-from clipforge.hpc.errors import UserError
 from clipforge.hpc.lock import LOCK_NAME
 from clipforge.models.builders import architecture, count_flops, create_model, load_weights
 from clipforge.models.evaluation import evaluate_model

@@ -146,7 +146,7 @@ def synchronize(device: torch.device) -> None:
 
 def run_one(case: Case, out: Path) -> None:
     """One configuration, both sides in this process (a single rank)."""
-    from clipforge.hpc.logs import setup_logging
+    from clipforge.base.logs import setup_logging
     from clipforge.models.engine import bf16_form
     from clipforge.models.settings import TrainSettings
     from clipforge.models.trainer import Trainer

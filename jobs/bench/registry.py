@@ -15,7 +15,6 @@ the median of the paired ratios with their min-max.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import tyro
 
+from clipforge.base.files import sha256
 from clipforge.registry.repo import Registry
 from clipforge.rundir import HEADLINE_METRICS, InputShape, RunDir, RunRecord
 
@@ -84,11 +84,7 @@ def renew(weights: Path, n: int) -> None:
 
 def floor(weights: Path, to: Path) -> None:
     """One sha256 pass and one copy: what any verified transfer of the file must at least do."""
-    digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    shutil.copyfile(weights, to)
+    sha256(weights, copy_to=to)
 
 
 def git(cwd: Path, *args: str) -> None:

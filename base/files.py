@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,25 @@ def write_json(path: Path, data: Any, sort_keys: bool = False) -> Path:
     return write_text(path, json.dumps(data, indent=1, sort_keys=sort_keys, default=str) + "\n")
 
 
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB pieces."""
-    digest = hashlib.sha256()
+CHUNK = 1 << 23
+"""How much of a file one hashing read takes (8 MiB: past it, larger reads measured no faster)."""
+
+
+def update_sha256(digest: hashlib._Hash, path: Path) -> None:
+    """Feed the bytes of ``path`` into ``digest``, one :data:`CHUNK` at a time."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(CHUNK):
             digest.update(chunk)
+
+
+def sha256(path: Path, copy_to: Path | None = None) -> str:
+    """Hex sha256 of a file; with ``copy_to``, the file is then copied there (in the kernel, not through Python).
+
+    Hashing first and copying second reads the file twice, but the second read comes from the page cache
+    and ``copyfile`` uses ``copy_file_range``: measured faster than writing each hashed chunk from Python.
+    """
+    digest = hashlib.sha256()
+    update_sha256(digest, path)
+    if copy_to is not None:
+        shutil.copyfile(path, copy_to)
     return digest.hexdigest()
