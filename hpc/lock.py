@@ -28,7 +28,7 @@ from typing import Any
 
 from clipforge.base.errors import UserError
 
-from .cluster import process_alive
+from .processes import process_alive
 
 LOCK_NAME = ".clipforge-writer.json"
 HEARTBEAT_S = 30.0

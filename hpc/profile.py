@@ -71,10 +71,11 @@ class ClusterProfile:
             account=resources.account or self.account,
             gpu_type=resources.gpu_type or (self.gpu_type if resources.gpus_per_node else None),
         )
-        return filled.validate(self)
+        self.check(filled.validate())
+        return filled
 
-    def check(self, resources: Resources, minutes: int) -> None:
-        """Refuse what this cluster's partitions cannot give (called by ``Resources.validate``)."""
+    def check(self, resources: Resources) -> None:
+        """Refuse what this cluster's partitions cannot give (``resources`` already valid on their own)."""
         if not self.partitions or resources.partition is None:
             return
         part = self.partitions.get(resources.partition)
@@ -88,7 +89,7 @@ class ClusterProfile:
                 f"gpus_per_node: partition {resources.partition!r} of {self.name!r} has "
                 f"{part.gpus_per_node} GPUs per node, the job asks for {resources.gpus_per_node}"
             )
-        if part.max_time and minutes > parse_time(part.max_time):
+        if part.max_time and resources.time_minutes > parse_time(part.max_time):
             raise ResourceError(
                 f"time: {resources.time} is over partition {resources.partition!r}'s limit of {part.max_time}"
             )

@@ -20,8 +20,8 @@ from clipforge.base.errors import UserError
 from clipforge.base.files import write_json
 from clipforge.base.logs import failure_reason
 
-from .cluster import process_alive
 from .executor import RECORD, job_logs, jobs_root
+from .processes import process_alive
 
 POLL_INTERVAL_S = 30.0
 ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")

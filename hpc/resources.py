@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
 
 from clipforge.base.errors import UserError
-
-if TYPE_CHECKING:
-    from .profile import ClusterProfile
 
 
 class ResourceError(UserError):
@@ -95,7 +91,7 @@ class Resources:
     extra: list[str] = dataclasses.field(default_factory=list)
     """Further sbatch flags, each as 'key=value' or 'flag' (e.g. 'mail-type=END')."""
 
-    def validate(self, profile: ClusterProfile | None = None) -> Resources:
+    def validate(self) -> Resources:
         """Raise :class:`ResourceError` naming the first field the scheduler would refuse."""
         for name in ("nodes", "ntasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
@@ -108,7 +104,7 @@ class Resources:
             raise ResourceError(f"signal_delay_s: must be 0 or more, got {self.signal_delay_s}")
         if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.gpu_type):
             raise ResourceError(f"gpu_type: {self.gpu_type!r} is not a GPU model name such as 'a100'")
-        minutes = parse_time(self.time)
+        parse_time(self.time)
         if self.mem is not None:
             parse_memory_mb(self.mem)
         if not re.fullmatch(r"[\w.+-]+", self.job_name):
@@ -116,8 +112,6 @@ class Resources:
         for flag in self.extra:
             if not re.fullmatch(r"[a-z][a-z-]*(=\S+)?", flag):
                 raise ResourceError(f"extra: {flag!r} is not an sbatch flag; write 'mail-type=END', without '--'")
-        if profile is not None:
-            profile.check(self, minutes)
         return self
 
     @property

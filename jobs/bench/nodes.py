@@ -36,7 +36,7 @@ from pathlib import Path
 
 import tyro
 
-from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.devcluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY = 30, 10
