@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 
 from clipforge.base.errors import UserError
+from clipforge.base.settings import refuse_unknown
 
 from .resources import ResourceError, Resources, parse_time
 
@@ -130,12 +131,7 @@ def load_profile(name: str | None = None) -> ClusterProfile:
 
 
 def _from_dict(data: dict, path: Path) -> ClusterProfile:
-    allowed = {f.name for f in dataclasses.fields(ClusterProfile)}
-    unknown = set(data) - allowed
-    if unknown:
-        raise ProfileError(
-            f"{path}: unknown setting(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}"
-        )
+    refuse_unknown(data, ClusterProfile, str(path), ProfileError)
     data = dict(data)
     data.setdefault("name", path.stem)
     if data.get("executor", "slurm") not in ("slurm", "local", "debug"):
@@ -149,7 +145,10 @@ def _from_dict(data: dict, path: Path) -> ClusterProfile:
             )
         data["environment"] = str(env)
     try:
-        parts = {str(k): Partition(**(v or {})) for k, v in (data.pop("partitions", None) or {}).items()}
+        parts = {}
+        for key, value in (data.pop("partitions", None) or {}).items():
+            refuse_unknown(value or {}, Partition, f"{path}: partition {key}", ProfileError)
+            parts[str(key)] = Partition(**(value or {}))
         return ClusterProfile(partitions=parts, **data)
     except TypeError as exc:
         raise ProfileError(f"{path}: {exc}") from None

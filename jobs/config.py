@@ -19,6 +19,7 @@ import yaml
 
 from clipforge.base.errors import UserError
 from clipforge.base.logs import ERROR_PREFIX
+from clipforge.base.settings import refuse_unknown
 
 T = TypeVar("T")
 
@@ -73,12 +74,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "config") -> T:
     """A dataclass from a nested mapping; unknown keys are refused with the allowed ones listed."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(data) - set(fields)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown setting(s) {', '.join(sorted(map(str, unknown)))}; allowed: {', '.join(fields)}"
-        )
+    refuse_unknown(data, cls, where, ConfigError)
     values = {}
     for name, value in data.items():
         kind = _dataclass_in(hints[name])
