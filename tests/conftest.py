@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from .argv import pack_argv
-
-VENV_BIN = str(Path(sys.executable).parent)
+from .helpers import VENV_BIN, pack_argv
 
 
 @pytest.fixture(scope="session")
@@ -35,17 +33,12 @@ def multinode() -> LocalCluster:
     """A 3-node Slurm cluster on this host (nodes n1..n3 in network namespaces), beside the single-node one.
 
     Its own folder, ports and address range, so both run at once; taken down at the end of the session.
-    Clients reach it with ``env=multinode_env(cluster)``, never through os.environ.
+    Clients reach it with ``env=helpers.multinode_env(cluster)``, never through os.environ.
     """
     cluster = LocalCluster.beside(3)
     cluster.up()
     yield cluster
     cluster.down()
-
-
-def multinode_env(cluster: LocalCluster) -> dict[str, str]:
-    """The environment of a client of ``cluster``: its SLURM_CONF, and this virtual environment's python first."""
-    return dict(os.environ, **cluster.env, PATH=f"{VENV_BIN}:{os.environ['PATH']}")
 
 
 @pytest.fixture(autouse=True)

@@ -22,8 +22,7 @@ from clipforge.preprocess.conformance import CASES, Case, read_label, write_corp
 from clipforge.preprocess.decode import TOLERANCE, ClipParams, decode_clips
 from clipforge.preprocess.store import ClipStore, read_errors
 
-from .argv import pack_argv
-from .test_preprocess import assert_same_store
+from .helpers import assert_same_store, pack_argv
 
 pytestmark = pytest.mark.mpi
 CLIP = {"clip_frames": 8, "frame_stride": 2, "clips_per_video": 3, "height": 96, "width": 128}

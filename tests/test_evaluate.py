@@ -19,7 +19,7 @@ from clipforge.models.prediction import PredictionLog
 from clipforge.models.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly
 
-from .test_train import losses, train
+from .helpers import losses, train
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from clipforge.hpc.profile import ProfileError, load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.preprocess import synthetic
 
-from .argv import options
+from .helpers import options
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from clipforge.hpc.cluster import LocalCluster
+from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.distenv import expand_nodelist, free_port
 
-from .argv import options
-from .conftest import multinode_env
-from .test_train import TINY, losses
+from .helpers import PS_TINY, TINY, losses, multinode_env, options, rows
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +156,7 @@ def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_ru
 
 def test_a_host_that_cannot_make_the_nodes_is_refused_in_one_line() -> None:
     from clipforge.base.errors import UserError
-    from clipforge.hpc.nodes import NodeNetwork
+    from clipforge.hpc.devcluster.nodes import NodeNetwork
 
     with pytest.raises(UserError, match="2 to 9 nodes") as too_many:
         NodeNetwork(12).check_host()
@@ -203,9 +201,6 @@ def test_submitit_from_the_login_side_starts_a_two_node_job(
 def test_a_parameter_server_job_finishes_without_the_trainers_of_a_dead_node(
     multinode: LocalCluster, tiny_store: Path, tmp_path: Path
 ) -> None:
-    from .test_ps import TINY as PS_TINY
-    from .test_ps import rows
-
     run = tmp_path / "run"
     argv = ["sbatch", "--parsable", "--no-kill", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'ps.out'}"]
     argv += [str(REPO / "jobs" / "ps_train.py"), *options(data__store=tiny_store, run_dir=run, servers=1, trainers=3)]

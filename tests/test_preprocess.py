@@ -22,26 +22,12 @@ from clipforge.preprocess.decode import ClipParams, decode_clips
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
-from .argv import options, pack_argv
-from .conftest import multinode_env
+from .helpers import assert_same_store, clips_in_index_order, multinode_env, options, pack_argv
 
 BROKEN = {"move_left/corrupt.mp4", "move_left/not_a_video.mp4", "move_left/truncated.mp4", "move_left/zero_bytes.mp4"}
 
 
 PACK_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "preprocess.py"
-
-
-def assert_same_store(a: Path, b: Path) -> None:
-    """The same clips, labels and video paths, in index order, whatever ranks or shards wrote them."""
-    left, right = clips_in_index_order(a), clips_in_index_order(b)
-    assert np.array_equal(left[0], right[0]) and np.array_equal(left[1], right[1]) and left[2] == right[2]
-
-
-def clips_in_index_order(store: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Clips, labels and video paths, read in index order (by video, then clip)."""
-    s = ClipStore.open(store)
-    clips = np.stack([s.read_clip(int(p)) for p in s.order])
-    return clips, s.labels[s.order], [s.videos["path"][v] for v in s.video_ids[s.order]]
 
 
 # -- the scan ---------------------------------------------------------------------------

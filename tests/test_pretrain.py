@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from clipforge.models.builders import create_model, start_from
 from clipforge.models.settings import ModelSettings
 from clipforge.rundir import RunDir
-from tests.test_train import TINY, losses, train
+
+from .helpers import TINY, losses, train
 
 MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--optim.lr", "2e-3", "--optim.warmup-steps", "2"]
 STEPS = 30

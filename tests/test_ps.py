@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,20 +19,8 @@ from clipforge.models.builders import architecture, load_trained
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import worker
 
-TINY = [
-    "--model.depth",
-    "1",
-    "--model.tubelet",
-    "2",
-    "8",
-    "8",
-    "--trainer.batch",
-    "4",
-    "--trainer.log-every",
-    "5",
-    "--seed",
-    "0",
-]
+from .helpers import PS_TINY as TINY
+from .helpers import rows
 
 
 def start(
@@ -70,10 +57,6 @@ def finish(procs: list[subprocess.Popen], run: Path, timeout: float = 300) -> No
     for rank, p in enumerate(procs):
         code = p.wait(timeout=timeout)
         assert code == 0, (run.parent / f"{run.name}-rank{rank}.log").read_text()[-3000:]
-
-
-def rows(run: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(

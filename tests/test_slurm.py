@@ -18,7 +18,7 @@ from clipforge.hpc.launch import run_script
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 
-from .argv import options
+from .helpers import options
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from clipforge.preprocess import synthetic
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore, StoreError
 
-from .argv import pack_argv
+from .helpers import pack_argv
 
 SHARDS = 600  # over twice the descriptor limit below
 

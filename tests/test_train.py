@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from clipforge.base.errors import UserError
-from clipforge.hpc.distenv import free_port
 from clipforge.hpc.lock import LOCK_NAME
 from clipforge.models.builders import architecture, count_flops, create_model, load_weights
 from clipforge.models.evaluation import evaluate_model
@@ -24,77 +23,11 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-TINY = [
-    "--model.name",
-    "videovit-tiny",
-    "--model.depth",
-    "2",
-    "--model.tubelet",
-    "2",
-    "8",
-    "8",
-    "--batch-per-rank",
-    "4",
-    "--data.workers",
-    "0",
-    "--log-every",
-    "5",
-    "--optim.lr",
-    "1e-3",
-    "--optim.warmup-steps",
-    "2",
-]
-
+from .helpers import TINY, losses, train
 
 # The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
 # the other runs shuffle globally.
 LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
-
-
-def train(
-    mpiexec,
-    store: Path,
-    run_dir: Path,
-    *extra: str,
-    ranks: int = 2,
-    steps: int = 12,
-    check: bool = True,
-    wait: bool = True,
-):
-    argv = [
-        *mpiexec,
-        "-n",
-        str(ranks),
-        "-x",
-        f"MASTER_PORT={free_port()}",
-        sys.executable,
-        "-m",
-        "clipforge.jobs.train",
-        "--data.store",
-        str(store),
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(steps),
-        "--eval-every",
-        "1000",
-        "--checkpoint-every",
-        "1000",
-        *TINY,
-        *extra,
-    ]
-    if not wait:
-        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    if check:
-        assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """The loss of every step, the last record winning (a resumed run logs the steps after its checkpoint again)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
