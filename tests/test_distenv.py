@@ -113,6 +113,22 @@ def test_a_task_that_sees_one_gpu_uses_cuda_0_and_one_that_sees_all_uses_its_loc
         cuda_index(local_rank=2, visible=2)  # two ranks would share a GPU
 
 
-def test_on_a_machine_without_gpus_every_rank_of_a_slurm_step_gets_the_cpu() -> None:
+def test_without_visible_gpus_every_rank_of_a_slurm_step_gets_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # whether or not this host has a GPU
     dist = dist_env(SLURM_STEP)  # local rank 1
     assert str(task_device(dist)) == "cpu" and str(collective_device()) == "cpu"
+
+
+def test_with_four_visible_gpus_a_rank_takes_the_one_of_its_local_rank_and_makes_it_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the same on a host with no GPU or with one
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    dist = dist_env(SLURM_STEP)  # local rank 1
+    assert task_device(dist) == torch.device("cuda", 1) and current == [1]
