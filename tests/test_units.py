@@ -1,0 +1,260 @@
+"""Fast unit tests, no Slurm and no subprocess: the checkpoint index, the throughput meter, the resume decisions."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from clipforge.base.files import sha256
+from clipforge.hpc.accelerator import Peak
+from clipforge.hpc.distenv import DistEnv
+from clipforge.models import throughput
+from clipforge.models.resume import plan_resume
+from clipforge.models.settings import TrainError, TrainSettings
+from clipforge.models.throughput import Throughput
+from clipforge.rundir import CheckpointIndex
+
+# -- the checkpoint index -----------------------------------------------------------------
+
+
+def save(index: CheckpointIndex, step: int, layout: dict | None = None, complete: bool = True) -> str:
+    """A checkpoint of two small files after ``step``, marked complete unless ``complete`` is False."""
+    tag = index.tag(step)
+    (index.path(tag) / "zero").mkdir(parents=True)
+    (index.path(tag) / "model.pt").write_bytes(b"weights %d" % step)
+    (index.path(tag) / "zero" / "optim.pt").write_bytes(b"optimizer %d" % step)
+    if complete:
+        index.mark_complete(tag, step, layout)
+    return tag
+
+
+def test_checkpoint_tags_sort_by_step() -> None:
+    tags = [CheckpointIndex.tag(step) for step in (9, 10, 100, 12345678)]
+    assert tags[0] == "step-00000009" and sorted(tags) == tags
+
+
+def test_only_checkpoints_with_a_completion_record_count_newest_first(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path / "checkpoints")
+    assert index.complete() == [] and index.newest_usable() is None  # no folder yet
+    for step in (4, 12, 8):
+        save(index, step)
+    save(index, 16, complete=False)  # cut short by a crash: no complete.json
+    assert index.complete() == ["step-00000012", "step-00000008", "step-00000004"]
+    assert not index.is_complete("step-00000016") and index.newest_usable() == "step-00000012"
+    assert json.loads((index.folder / "latest.json").read_text()) == {"tag": "step-00000008"}  # the last marked
+
+
+def test_the_completion_record_lists_every_file_with_its_checksum_but_the_rank_manifests(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path)
+    tag = index.tag(4)
+    index.path(tag).mkdir()
+    (index.path(tag) / "model.pt").write_bytes(b"weights")
+    index.write_manifest(tag, 0, {"model.pt": {"sha256": sha256(index.path(tag) / "model.pt"), "bytes": 7}})
+    (index.path(tag) / "extra.json").write_text("{}")  # named by no manifest: hashed when marked complete
+    index.mark_complete(tag, 4, {"data_parallel": 2, "global_batch": 8}, files=index.manifests(tag)[0])
+    record = json.loads((index.path(tag) / "complete.json").read_text())
+    assert sorted(record["files"]) == ["extra.json", "model.pt"]
+    assert record["files"]["extra.json"] == {"sha256": sha256(index.path(tag) / "extra.json"), "bytes": 2}
+    assert index.step(tag) == 4 and index.layout(tag) == {"data_parallel": 2, "global_batch": 8}
+    assert index.verify(tag) is None
+
+
+def test_the_rank_manifests_are_read_in_rank_order_and_a_torn_one_is_left_out(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path)
+    index.path("step-00000004").mkdir()
+    index.write_manifest("step-00000004", 1, {"b": {"sha256": "2", "bytes": 1}})
+    index.write_manifest("step-00000004", 0, {"a": {"sha256": "1", "bytes": 1}})
+    (index.path("step-00000004") / ".rank-00002.json").write_text('{"c": ')  # still being written
+    assert index.manifests("step-00000004") == [{"a": {"sha256": "1", "bytes": 1}}, {"b": {"sha256": "2", "bytes": 1}}]
+
+
+def test_a_checkpoint_with_a_file_missing_changed_or_an_unreadable_record_does_not_verify(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path)
+    missing, changed, unreadable = save(index, 4), save(index, 8), save(index, 12)
+    (index.path(missing) / "zero" / "optim.pt").unlink()
+    (index.path(changed) / "model.pt").write_bytes(b"weights 8, changed")
+    (index.path(unreadable) / "complete.json").write_text("{")
+    assert index.verify(missing) == "zero/optim.pt is missing"
+    assert index.verify(changed) == "model.pt does not match its checksum"
+    assert index.verify(unreadable).startswith("unreadable completion record")
+
+
+def test_the_newest_usable_checkpoint_passes_over_the_ones_that_do_not_verify_and_says_why(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path)
+    good = save(index, 4)
+    for step in (8, 12):
+        (index.path(save(index, step)) / "model.pt").write_bytes(b"bit rot")
+    passed_over: list[tuple[str, str]] = []
+    assert index.newest_usable(lambda tag, why: passed_over.append((tag, why))) == good
+    assert passed_over == [(index.tag(s), "model.pt does not match its checksum") for s in (12, 8)]
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_leaves_one_being_written(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path)
+    for step in (4, 8, 12):
+        save(index, step)
+    writing = save(index, 16, complete=False)
+    assert index.prune(keep=2) == ["step-00000004"]
+    assert index.complete() == ["step-00000012", "step-00000008"] and index.path(writing).is_dir()
+    assert index.layout("step-00000004") is None  # gone: no layout, no error
+
+
+# -- the throughput meter -----------------------------------------------------------------
+
+
+class Clock:
+    """perf_counter for the meter, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(throughput, "time", types.SimpleNamespace(perf_counter=clock))
+    return clock
+
+
+def test_a_window_gives_clips_per_second_data_wait_tflops_and_mfu(clock: Clock) -> None:
+    meter = Throughput(clips_per_step=16, flops_per_clip=1e12, peak=Peak(24.0, "datasheet", "X"), devices=2)
+    meter.start()
+    clock.now += 2.0
+    meter.steps_done(1)
+    clock.now += 2.0
+    meter.waited = 1.0  # of the 4 s, 1 s blocked in the loader
+    meter.steps_done(3)
+    figures = meter.figures()
+    assert figures["clips_per_s"] == pytest.approx(4 * 16 / 4.0)
+    assert figures["data_wait"] == pytest.approx(0.25)
+    assert figures["tflops"] == pytest.approx(3 * 1e12 * 16 / 1e12)  # forward and backward: three forwards
+    assert figures["mfu"] == pytest.approx(48 / (24.0 * 2))
+
+
+def test_each_window_starts_where_the_last_log_line_ended(clock: Clock) -> None:
+    meter = Throughput(clips_per_step=8, flops_per_clip=None, peak=None, devices=1)
+    meter.start()
+    clock.now += 1.0
+    meter.steps_done(2)
+    meter.figures()
+    assert meter.figures() == {}  # no step since the last line
+    clock.now += 4.0
+    meter.steps_done(2)
+    assert meter.figures() == {"clips_per_s": pytest.approx(2 * 8 / 4.0), "data_wait": 0.0}
+
+
+def test_the_summary_leaves_out_the_first_step_and_a_one_step_run_has_none(clock: Clock) -> None:
+    meter = Throughput(clips_per_step=4, flops_per_clip=1e9, peak=Peak(10.0, "measured", "cpu"), devices=1)
+    meter.start()
+    clock.now += 30.0  # the first step: warm-up and compilation
+    meter.steps_done(1)
+    assert meter.summary() == {}
+    for _ in range(5):
+        clock.now += 0.5
+        meter.steps_done(1)
+    summary = meter.summary()
+    assert summary["clips_per_s"] == pytest.approx(5 * 4 / 2.5)
+    assert (summary["peak_tflops"], summary["peak_source"], summary["device"]) == (10.0, "measured", "cpu")
+
+
+def test_without_flops_or_a_peak_the_meter_gives_no_tflops_or_no_mfu(clock: Clock) -> None:
+    for flops, peak, keys in ((None, None, set()), (1e9, None, {"tflops"})):
+        meter = Throughput(clips_per_step=1, flops_per_clip=flops, peak=peak, devices=1)
+        meter.start()
+        clock.now += 1.0
+        meter.steps_done(1)
+        meter.steps_done(0)  # nothing finished: ignored
+        assert meter.steps == 1
+        assert set(meter.figures()) == {"clips_per_s", "data_wait"} | keys
+
+
+def test_the_timed_loader_yields_its_items_unchanged_and_adds_up_the_wait(clock: Clock) -> None:
+    def slow_loader():
+        for item in ("a", "b", "c"):
+            clock.now += 0.25  # the loop is blocked while the next batch is made
+            yield item
+
+    meter = Throughput(clips_per_step=1, flops_per_clip=None, peak=None, devices=1)
+    assert list(meter.timed(slow_loader())) == ["a", "b", "c"]
+    assert meter.waited == pytest.approx(0.75)
+
+
+# -- the resume decisions ------------------------------------------------------------------
+
+MAIN = DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500)
+
+
+def settings(zero_stage: int = 2, batch_per_rank: int = 2, pipeline_stages: int = 1) -> TrainSettings:
+    s = TrainSettings(batch_per_rank=batch_per_rank)
+    s.parallel.zero_stage, s.parallel.pipeline_stages = zero_stage, pipeline_stages
+    return s
+
+
+def written_by(tmp_path: Path, data_parallel: int, global_batch: int, step: int = 4) -> CheckpointIndex:
+    """A run directory's index with one checkpoint written by ``data_parallel`` ranks."""
+    index = CheckpointIndex(tmp_path / "checkpoints")
+    save(index, step, {"world_size": data_parallel, "data_parallel": data_parallel, "global_batch": global_batch})
+    return index
+
+
+def test_a_run_without_a_checkpoint_starts_from_its_weights_fetched_once(tmp_path: Path) -> None:
+    index = CheckpointIndex(tmp_path / "checkpoints")
+    fetched: list[str] = []
+
+    def fetch() -> Path:
+        fetched.append("registry")
+        return tmp_path / "start.safetensors"
+
+    plan = plan_resume(settings(), index, MAIN, dp_size=2, elastic=False, fetch_weights=fetch)
+    assert (plan.checkpoint, plan.step, plan.reshard, plan.weights) == (None, 0, False, tmp_path / "start.safetensors")
+    assert fetched == ["registry"] and plan.universal_tag is None
+    plain = plan_resume(settings(), index, MAIN, dp_size=2, elastic=False, fetch_weights=None)
+    assert plain.weights is None and plain.grad_accum == 1
+
+
+def test_a_run_resumes_from_its_newest_usable_checkpoint_on_the_same_ranks_as_it_is(tmp_path: Path) -> None:
+    index = written_by(tmp_path, data_parallel=2, global_batch=4)
+    save(index, 8, {"data_parallel": 2, "global_batch": 4})
+    (index.path("step-00000008") / "model.pt").write_bytes(b"torn")
+    fetched: list[str] = []
+    plan = plan_resume(settings(), index, MAIN, dp_size=2, elastic=False, fetch_weights=lambda: fetched.append("x"))
+    assert (plan.checkpoint, plan.step, plan.grad_accum, plan.reshard) == ("step-00000004", 4, 1, False)
+    assert plan.weights is None
+    assert fetched == []  # a run with a checkpoint never needs its starting weights
+
+
+def test_a_checkpoint_from_other_ranks_is_refused_without_elastic_and_names_both_counts(tmp_path: Path) -> None:
+    index = written_by(tmp_path, data_parallel=4, global_batch=8)
+    with pytest.raises(TrainError, match="written by 4 data-parallel ranks and this job has 2: run it on 4"):
+        plan_resume(settings(), index, MAIN, dp_size=2, elastic=False, fetch_weights=None)
+
+
+@pytest.mark.parametrize("zero_stage,reshard", [(0, False), (1, True), (2, True)])
+def test_an_elastic_restart_on_fewer_ranks_keeps_the_global_batch_by_accumulating(
+    tmp_path: Path, zero_stage: int, reshard: bool
+) -> None:
+    index = written_by(tmp_path, data_parallel=4, global_batch=8)  # 4 ranks x 2 clips
+    plan = plan_resume(settings(zero_stage), index, MAIN, dp_size=2, elastic=True, fetch_weights=None)
+    assert (plan.checkpoint, plan.step, plan.grad_accum, plan.reshard) == ("step-00000004", 4, 2, reshard)
+    assert plan.universal_tag == ("step-00000004-universal" if reshard else None)
+
+
+@pytest.mark.parametrize(
+    "s,message",
+    [
+        (settings(zero_stage=3), "reshards ZeRO 0-2 data parallel only"),
+        (settings(zero_stage=1, pipeline_stages=2), "reshards ZeRO 0-2 data parallel only"),
+        (settings(batch_per_rank=3), "global batch of 8 clips does not divide over 2 ranks of 3"),
+    ],
+    ids=["zero3", "pipeline", "batch-not-dividing"],
+)
+def test_an_elastic_restart_that_cannot_keep_the_run_is_refused(tmp_path: Path, s: TrainSettings, message: str) -> None:
+    index = written_by(tmp_path, data_parallel=4, global_batch=8)
+    with pytest.raises(TrainError, match=message):
+        plan_resume(s, index, MAIN, dp_size=2, elastic=True, fetch_weights=None)
