@@ -217,7 +217,8 @@ def evaluate(run: Path, workers: int) -> dict:
 
 def jpeg_decode(store: Path, batch: int, rounds: int = 5) -> dict:
     """Frames/s of ``--data.decode device`` (nvJPEG on CUDA) against one CPU core, on the check's own clips."""
-    from clipforge.preprocess.store import ClipStore, decode_jpeg, decode_jpeg_batch, encode_jpeg
+    from clipforge.preprocess.jpeg import decode_jpeg, decode_jpeg_batch, encode_jpeg
+    from clipforge.preprocess.store import ClipStore
 
     source = ClipStore.open(store)
     clips = np.stack([source.read_clip(i) for i in range(min(batch, len(source)))])

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
+from clipforge.preprocess.jpeg import decode_jpeg_batch
 from clipforge.preprocess.reader import ClipDataset, collate_encoded
-from clipforge.preprocess.store import decode_jpeg_batch
 
 from .clips import mix_batch, random_crop_flip
 from .sampler import StepSampler

@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import Dataset
 
 from .decode import ClipParams, VideoError, decode_clips
-from .store import ClipStore, StoreError
+from .store import ClipStore
+from .store_format import StoreError
 
 
 class ClipDataset(Dataset):

@@ -173,7 +173,7 @@ def write_store(
     source files: the store's clips are all there is to evaluate. ``codec``: raw frames or jpeg.
     """
     from .decode import ClipParams, VideoClips
-    from .store import ShardWriter, write_index, write_params, write_videos
+    from .store_writer import ShardWriter, write_index, write_params, write_videos
 
     params = ClipParams(
         clip_frames=clip_frames, frame_stride=1, clips_per_video=clips_per_video, height=size, width=size
@@ -211,7 +211,7 @@ def write_sharded_store(
     shape of a corpus packed by thousands of ranks, for scale checks of opening and reading (file opens,
     descriptors, locality), not of pixels."""
     from .decode import ClipParams, VideoClips
-    from .store import ShardWriter, write_index, write_params, write_videos
+    from .store_writer import ShardWriter, write_index, write_params, write_videos
 
     params = ClipParams(clip_frames=clip_frames, frame_stride=1, clips_per_video=1, height=size, width=size)
     write_params(out, {**dataclasses.asdict(params), "codec": codec, "jpeg_quality": 90}, overwrite=True)

@@ -20,7 +20,8 @@ from clipforge.preprocess import synthetic
 from clipforge.preprocess.corpus import CorpusError, scan
 from clipforge.preprocess.decode import ClipParams, decode_clips
 from clipforge.preprocess.reader import ClipDataset
-from clipforge.preprocess.store import ClipStore, StoreError
+from clipforge.preprocess.store import ClipStore
+from clipforge.preprocess.store_format import StoreError
 
 from .helpers import assert_same_store, clips_in_index_order, multinode_env, options, pack_argv
 

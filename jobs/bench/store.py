@@ -130,7 +130,8 @@ def pillow_decode(frames) -> np.ndarray:
 
 def write_clip_store(out: Path, clips: np.ndarray, codec: str):
     """One shard holding ``clips`` in ``codec``, indexed and opened like any store."""
-    from clipforge.preprocess.store import ClipStore, ShardWriter, write_index, write_params
+    from clipforge.preprocess.store import ClipStore
+    from clipforge.preprocess.store_writer import ShardWriter, write_index, write_params
 
     params = {**dataclasses.asdict(CLIP), "codec": codec, "jpeg_quality": 90}
     write_params(out, params, overwrite=True)
