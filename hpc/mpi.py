@@ -1,4 +1,9 @@
-"""Launching MPI ranks where Slurm does not: ``mpiexec`` with the flags this host needs."""
+"""MPI for clipforge's ranks: ``mpiexec`` with the flags this host needs, and shared work in one-sided windows.
+
+:func:`mpi` is how every rank imports mpi4py. :class:`WorkList` and :class:`Counters` hand work out
+without a dispatcher rank: the list and the counters stay in rank 0's memory, and each rank reads
+and increments them with one-sided calls.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from .distenv import LaunchError
 
@@ -71,3 +79,92 @@ def mpiexec_prefix() -> list[str]:
 def _is_open_mpi(exe: str) -> bool:
     result = subprocess.run([exe, "--version"], capture_output=True, text=True)
     return "Open MPI" in result.stdout + result.stderr or "prterun" in result.stdout + result.stderr
+
+
+class WorkList:
+    """A list of work items held in rank 0's memory; a rank reads an item when it takes it (``MPI_Get``).
+
+    An item is a few integers and one string (for packing: video id, label index, path); every item has
+    the same number of integers. No rank receives the list: a million items are a few dozen MB on rank 0
+    and, on every other rank, only the items it reads. Every rank of ``comm`` constructs it (rank 0 with
+    the items, the others with None) and calls :meth:`free`.
+    """
+
+    def __init__(self, comm, items: Sequence[tuple[int | str, ...]] | None) -> None:
+        MPI = mpi()
+
+        self.MPI = MPI
+        root = comm.rank == 0
+        texts = [str(item[-1]).encode() for item in items] if root else []
+        width = len(items[0]) - 1 if root and items else 0
+        self.n, self.width = comm.bcast((len(texts), width) if root else None, root=0)
+        nbytes = sum(map(len, texts))
+        # Per item: its integers, then where its text starts in the text window and how long it is.
+        self.records = MPI.Win.Allocate(self.n * (self.width + 2) * 8 if root else 0, 8, comm=comm)
+        self.texts = MPI.Win.Allocate(max(nbytes, 1) if root else 0, 1, comm=comm)
+        if root and self.n:
+            records = np.frombuffer(self.records.tomemory(), dtype=np.int64).reshape(self.n, self.width + 2)
+            lengths = np.array([len(t) for t in texts], np.int64)
+            records[:, : self.width] = [item[:-1] for item in items]
+            records[:, -2] = np.cumsum(lengths) - lengths
+            records[:, -1] = lengths
+            np.frombuffer(self.texts.tomemory(), dtype=np.uint8)[:nbytes] = np.frombuffer(b"".join(texts), np.uint8)
+        comm.Barrier()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int) -> tuple[int | str, ...]:
+        """Item ``i``, as rank 0 gave it: its integers, then its string."""
+        MPI = self.MPI
+        size = self.width + 2
+        record = np.empty(size, np.int64)
+        self.records.Lock(0, MPI.LOCK_SHARED)
+        self.records.Get(record, 0, target=(i * size, size, MPI.INT64_T))
+        self.records.Unlock(0)
+        text = np.empty(int(record[-1]), np.uint8)
+        self.texts.Lock(0, MPI.LOCK_SHARED)
+        self.texts.Get(text, 0, target=(int(record[-2]), len(text), MPI.BYTE))
+        self.texts.Unlock(0)
+        return (*(int(x) for x in record[: self.width]), text.tobytes().decode())
+
+    def free(self) -> None:
+        self.records.Free()
+        self.texts.Free()
+
+
+class Counters:
+    """Integer counters in rank 0's memory that every rank updates with one-sided atomics (``MPI_Fetch_and_op``).
+
+    Every rank of ``comm`` constructs it with the same number of ``initial`` values (rank 0's are the
+    ones kept) and calls :meth:`free`. A counter is addressed by its position in ``initial``.
+    """
+
+    def __init__(self, comm, initial: Sequence[int]) -> None:
+        MPI = mpi()
+
+        self.MPI = MPI
+        self.win = MPI.Win.Allocate(len(initial) * 8 if comm.rank == 0 else 0, 8, comm=comm)
+        if comm.rank == 0:
+            np.frombuffer(self.win.tomemory(), dtype=np.int64)[:] = initial
+        comm.Barrier()
+        self._one = np.zeros(1, np.int64)
+        self._out = np.zeros(1, np.int64)
+
+    def fetch_add(self, slot: int, amount: int = 1) -> int:
+        """Add ``amount`` to counter ``slot``; returns its value before the addition."""
+        self._one[0] = amount
+        self.win.Lock(0, self.MPI.LOCK_SHARED)
+        self.win.Fetch_and_op(self._one, self._out, 0, slot, self.MPI.SUM)
+        self.win.Unlock(0)
+        return int(self._out[0])
+
+    def read(self, slot: int) -> int:
+        """The value of counter ``slot`` now."""
+        self.win.Lock(0, self.MPI.LOCK_SHARED)
+        self.win.Fetch_and_op(self._one, self._out, 0, slot, self.MPI.NO_OP)
+        self.win.Unlock(0)
+        return int(self._out[0])
+
+    def free(self) -> None:
+        self.win.Free()

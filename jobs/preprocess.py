@@ -45,7 +45,8 @@ from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.preprocess.corpus import SplitRatios
 from clipforge.preprocess.decode import ClipParams
-from clipforge.preprocess.pack import PackOptions, pack_corpus, preflight
+from clipforge.preprocess.pack import pack_corpus
+from clipforge.preprocess.preflight import PackOptions, preflight
 
 log = logging.getLogger("clipforge.preprocess")
 

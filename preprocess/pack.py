@@ -19,26 +19,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from clipforge.base.errors import UserError
 from clipforge.base.logs import Progress
 from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.lustre import stripe_directory
-from clipforge.hpc.mpi import mpi
+from clipforge.hpc.mpi import Counters, WorkList, mpi
 
-from .corpus import Corpus, Listing, SplitRatios, assemble, check_paths, list_corpus, probe_corpus
+from .corpus import Corpus, Listing, SplitRatios, assemble, check_paths, list_corpus
 from .decode import ClipParams, VideoError, decode_clips
-from .store import (
-    Codec,
+from .preflight import PackError, PackOptions, store_params
+from .store_format import StoreError
+from .store_writer import (
     ShardWriter,
-    StoreError,
-    check_params,
     committed_markers,
     remove_store,
     write_errors,
@@ -64,22 +60,8 @@ UNPACKED = {
     "repeated_clips": 0,
 }
 
-# Counters in rank 0's window.
-NEXT_VIDEO, NEXT_SHARD, DONE_VIDEOS, DONE_CLIPS, FAILED = range(5)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackOptions:
-    codec: Codec = "raw"
-    """raw: uncompressed uint8 clips; jpeg: per-frame JPEG, ~10x smaller, decoded on read."""
-    jpeg_quality: int = 90
-    """JPEG quality for the jpeg codec."""
-    max_shard_clips: int = 4096
-    """Start a new shard after this many clips (a killed rank then loses at most one shard's work)."""
-    overwrite: bool = False
-    """Rebuild a store that was packed with other parameters."""
-    append: bool = False
-    """Add the corpus's new videos to an existing store as new shards, leaving the old ones alone."""
+# The slots of the counters in rank 0's window.
+NEXT_VIDEO, NEXT_SHARD, DONE_VIDEOS, DONE_CLIPS, FAILED = SLOTS = range(5)
 
 
 @dataclasses.dataclass
@@ -112,37 +94,35 @@ class PackSummary:
         )
 
 
-class PackError(UserError):
-    """Packing cannot start as asked; the message names the input."""
+@dataclasses.dataclass
+class PackPlan:
+    """Rank 0's plan of a packing run: the store's video table, and what is left of it to pack."""
+
+    table: dict[str, Any]
+    """The video table kept in videos.json: ``root``, ``classes``, and ``videos`` (path, label, split) in id order."""
+    todo: list[int]
+    """Ids of the videos left to pack, in the order ranks take them (longest first)."""
+    next_shard: int = 0
+    """The number of the first new shard (committed shards keep theirs)."""
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(path, reason) of each file the scan did not take."""
+    reused: int = 0
+    """Committed shards kept from an earlier run."""
+
+    def items(self) -> list[tuple[int, int, str]]:
+        """The work, in order: (video id, label index, path) of every video left to do."""
+        label_of = {c: i for i, c in enumerate(self.table["classes"])}
+        videos = self.table["videos"]
+        return [(i, label_of[videos[i]["label"]], videos[i]["path"]) for i in self.todo]
 
 
-def preflight(source: Path, out: Path, params: ClipParams, options: PackOptions) -> None:
-    """What the submitter checks before a packing job waits in a queue: parameters, corpus, output directory.
-
-    Seconds, not a corpus walk: a tree is read until its first video and a manifest's first
-    paths are looked at. Each problem is one :class:`UserError` line.
-    """
-    params.check()
-    if options.max_shard_clips < 1:
-        raise PackError(f"--max-shard-clips is {options.max_shard_clips}; give a number of clips, at least 1")
-    if not 1 <= options.jpeg_quality <= 100:
-        raise PackError(f"--jpeg-quality is {options.jpeg_quality}; give a JPEG quality from 1 to 100")
-    probe_corpus(source)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise PackError(f"--out {out} is a file; give a directory for the clip store")
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PackError(f"--out {out}: {existing} is not writable by you; choose a directory you can write")
-    if out.is_dir():
-        if not options.overwrite:
-            check_params(out, store_params(params, options))
-        WriterLock(out, "clip store").check_free()
-
-
-def store_params(params: ClipParams, options: PackOptions) -> dict[str, Any]:
-    """Everything that decides a store's bytes: a rerun with other values refuses to mix them in."""
-    return {**dataclasses.asdict(params), "codec": options.codec, "jpeg_quality": options.jpeg_quality}
+def video_table(corpus: Corpus) -> dict[str, Any]:
+    """The video table of a store packed from ``corpus`` alone (ids are positions in ``videos``)."""
+    return {
+        "root": str(corpus.root),
+        "classes": corpus.classes,
+        "videos": [dataclasses.asdict(v) for v in corpus.videos],
+    }
 
 
 def pack_corpus(
@@ -163,15 +143,18 @@ def pack_corpus(
     started = time.time()
     lock = WriterLock(out, "clip store") if comm.rank == 0 else None  # one packing job per store
     try:
-        corpus = _scan_together(source, ratios, params, comm)
+        corpus = scan_corpus(source, ratios, params, comm)
         plan = _plan(corpus, out, params, options, lock) if lock else None
-        header = comm.bcast(plan if plan is None or isinstance(plan, Exception) else _header(plan), root=0)
+        # What every rank needs of the plan: a few numbers, not the video table.
+        header = (plan.table["root"], plan.next_shard) if isinstance(plan, PackPlan) else plan
+        header = comm.bcast(header, root=0)
         if isinstance(header, Exception):
             raise header  # every rank stops with rank 0's one-line reason
-        work = _WorkList(comm, _items(plan) if lock else None)
-        counters = _Counters(comm, header["next_shard"])
+        root, next_shard = header
+        work = WorkList(comm, plan.items() if lock else None)
+        counters = Counters(comm, [next_shard if slot == NEXT_SHARD else 0 for slot in SLOTS])
         try:
-            _work(work, Path(header["root"]), out, params, options, comm, counters)
+            _work(work, Path(root), out, params, options, comm, counters)
         finally:
             counters.free()
             work.free()
@@ -181,8 +164,12 @@ def pack_corpus(
             lock.release()
 
 
-def _scan_together(source: Path, ratios: SplitRatios, params: ClipParams, comm) -> Corpus | None:
+def scan_corpus(source: Path, ratios: SplitRatios, params: ClipParams, comm) -> Corpus | PackError | None:
     """Rank 0 lists the corpus; every rank resolves and stats its share of the paths; rank 0 assembles it.
+
+    Every rank of ``comm`` calls this. Rank 0 gets the corpus, or the :class:`PackError` that assembling it
+    ended with (for :func:`pack_corpus` to hand every rank); the others get None. A corpus that cannot be
+    listed raises the :class:`PackError` on every rank.
 
     A million-file corpus on Lustre is millions of metadata calls (resolve, stat, access): shared by the
     ranks they take 1/N of the time, and no rank but 0 ever holds more than its share of the listing.
@@ -214,7 +201,7 @@ def _scan_together(source: Path, ratios: SplitRatios, params: ClipParams, comm) 
 
 def _plan(
     corpus: Corpus | PackError, out: Path, params: ClipParams, options: PackOptions, lock: WriterLock
-) -> dict[str, Any] | Exception:
+) -> PackPlan | PackError:
     """Rank 0: take the store's writer lock, check the directory, list what is left to do (longest first)."""
     try:
         if isinstance(corpus, PackError):
@@ -225,11 +212,7 @@ def _plan(
         lock.acquire()
         existing = out / "videos.json"
         old = json.loads(existing.read_text()) if existing.exists() else None
-        fresh = {
-            "root": str(corpus.root),
-            "classes": corpus.classes,
-            "videos": [dataclasses.asdict(v) for v in corpus.videos],
-        }
+        fresh = video_table(corpus)
         table = _merge_tables(old, corpus) if options.append and old else fresh
         if old is not None and not options.append and old != fresh:
             if not options.overwrite:
@@ -255,31 +238,19 @@ def _plan(
         )
         for path, reason in corpus.skipped:
             log.warning("not packed: %s: %s", path, reason)
-        return {
-            "table": table,
-            "todo": todo,
-            "next_shard": max((m["number"] for m in markers), default=-1) + 1,
-            "skipped": corpus.skipped,
-            "reused": len(markers),
-        }
+        return PackPlan(
+            table=table,
+            todo=todo,
+            next_shard=max((m["number"] for m in markers), default=-1) + 1,
+            skipped=corpus.skipped,
+            reused=len(markers),
+        )
     except UserError as exc:
         return PackError(str(exc))
 
 
-def _header(plan: dict[str, Any]) -> dict[str, Any]:
-    """What every rank needs of the plan: a few numbers, not the video table."""
-    return {"root": plan["table"]["root"], "next_shard": plan["next_shard"]}
-
-
-def _items(plan: dict[str, Any]) -> list[tuple[int, int, str]]:
-    """The work, in order: (video id, label index, path) of every video left to do."""
-    table = plan["table"]
-    label_of = {c: i for i, c in enumerate(table["classes"])}
-    return [(i, label_of[table["videos"][i]["label"]], table["videos"][i]["path"]) for i in plan["todo"]]
-
-
 def _work(
-    work: _WorkList, root: Path, out: Path, params: ClipParams, options: PackOptions, comm, counters: _Counters
+    work: WorkList, root: Path, out: Path, params: ClipParams, options: PackOptions, comm, counters: Counters
 ) -> None:
     writer: ShardWriter | None = None
     bar = Progress(len(work), "packing", unit="video", enabled=comm.rank == 0)
@@ -331,10 +302,10 @@ def _work(
         comm.Barrier()
 
 
-def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
+def _finish(plan: PackPlan, out: Path, seconds: float) -> PackSummary:
     """Rank 0: the index and errors.jsonl from every committed shard, and the summary."""
     out = Path(out)
-    table = plan["table"]
+    table = plan.table
     markers = committed_markers(out)
     found: dict[int, dict[str, Any]] = {}
     failures: dict[int, str] = {}
@@ -373,7 +344,7 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
     ]
     errors += [
         {"path": p, "video_id": None, "reason": f"not taken by the scan: {r}", "level": "error"}
-        for p, r in plan["skipped"]
+        for p, r in plan.skipped
     ]
     write_errors(out, errors)
     summary = PackSummary(
@@ -381,95 +352,14 @@ def _finish(plan: dict[str, Any], out: Path, seconds: float) -> PackSummary:
         partial=sum(1 for v in videos if v["status"].startswith(WARNINGS)),
         clips=sum(m["num_clips"] for m in markers),
         failed=len(failures),
-        skipped=sum(1 for v in videos if v["status"].startswith("skipped")) + len(plan["skipped"]),
+        skipped=sum(1 for v in videos if v["status"].startswith("skipped")) + len(plan.skipped),
         bytes=sum(m["size"] for m in markers),
         disk=sum(m.get("disk", m["size"]) for m in markers),
         seconds=seconds,
-        reused_shards=plan["reused"],
+        reused_shards=plan.reused,
     )
     log.info("%s", summary.line())
     return summary
-
-
-class _WorkList:
-    """The videos left to pack, held in rank 0's memory; a rank reads an item when it takes it (``MPI_Get``).
-
-    No rank receives the list: a million listed videos are a few dozen MB on rank 0 and, on every other
-    rank, only the items it packs.
-    """
-
-    def __init__(self, comm, items: list[tuple[int, int, str]] | None) -> None:
-        MPI = mpi()
-
-        self.MPI = MPI
-        root = comm.rank == 0
-        paths = [p.encode() for _, _, p in items] if root else []
-        self.n = comm.bcast(len(paths) if root else None, root=0)
-        nbytes = sum(map(len, paths))
-        self.records = MPI.Win.Allocate(self.n * 4 * 8 if root else 0, 8, comm=comm)
-        self.paths = MPI.Win.Allocate(max(nbytes, 1) if root else 0, 1, comm=comm)
-        if root:
-            records = np.frombuffer(self.records.tomemory(), dtype=np.int64).reshape(self.n, 4)
-            lengths = np.array([len(p) for p in paths], np.int64)
-            records[:, 0] = [v for v, _, _ in items]
-            records[:, 1] = [label for _, label, _ in items]
-            records[:, 2] = np.cumsum(lengths) - lengths
-            records[:, 3] = lengths
-            np.frombuffer(self.paths.tomemory(), dtype=np.uint8)[:nbytes] = np.frombuffer(b"".join(paths), np.uint8)
-        comm.Barrier()
-
-    def __len__(self) -> int:
-        return self.n
-
-    def get(self, i: int) -> tuple[int, int, str]:
-        """(video id, label index, path) of item ``i``."""
-        MPI = self.MPI
-        record = np.empty(4, np.int64)
-        self.records.Lock(0, MPI.LOCK_SHARED)
-        self.records.Get(record, 0, target=(i * 4, 4, MPI.INT64_T))
-        self.records.Unlock(0)
-        path = np.empty(int(record[3]), np.uint8)
-        self.paths.Lock(0, MPI.LOCK_SHARED)
-        self.paths.Get(path, 0, target=(int(record[2]), len(path), MPI.BYTE))
-        self.paths.Unlock(0)
-        return int(record[0]), int(record[1]), path.tobytes().decode()
-
-    def free(self) -> None:
-        self.records.Free()
-        self.paths.Free()
-
-
-class _Counters:
-    """Shared counters in rank 0's memory, updated with one-sided atomics."""
-
-    def __init__(self, comm, first_shard: int) -> None:
-        MPI = mpi()
-
-        self.MPI = MPI
-        self.win = MPI.Win.Allocate(5 * 8 if comm.rank == 0 else 0, 8, comm=comm)
-        if comm.rank == 0:
-            mem = np.frombuffer(self.win.tomemory(), dtype=np.int64)
-            mem[:] = 0
-            mem[NEXT_SHARD] = first_shard
-        comm.Barrier()
-        self._one = np.zeros(1, np.int64)
-        self._out = np.zeros(1, np.int64)
-
-    def fetch_add(self, slot: int, amount: int = 1) -> int:
-        self._one[0] = amount
-        self.win.Lock(0, self.MPI.LOCK_SHARED)
-        self.win.Fetch_and_op(self._one, self._out, 0, slot, self.MPI.SUM)
-        self.win.Unlock(0)
-        return int(self._out[0])
-
-    def read(self, slot: int) -> int:
-        self.win.Lock(0, self.MPI.LOCK_SHARED)
-        self.win.Fetch_and_op(self._one, self._out, 0, slot, self.MPI.NO_OP)
-        self.win.Unlock(0)
-        return int(self._out[0])
-
-    def free(self) -> None:
-        self.win.Free()
 
 
 def _merge_tables(old: dict[str, Any], corpus: Corpus) -> dict[str, Any]:

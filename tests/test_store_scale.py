@@ -16,7 +16,8 @@ from clipforge.hpc.lock import LOCK_NAME
 from clipforge.models.sampler import StepSampler
 from clipforge.preprocess import synthetic
 from clipforge.preprocess.reader import ClipDataset
-from clipforge.preprocess.store import ClipStore, StoreError
+from clipforge.preprocess.store import ClipStore
+from clipforge.preprocess.store_format import StoreError
 
 from .helpers import pack_argv
 
@@ -177,20 +178,20 @@ def test_locality_aware_sampling_opens_each_shard_about_once_where_a_global_shuf
 SHARED_PLAN = """
 import json, sys
 from pathlib import Path
-from clipforge.hpc.mpi import mpi
+from clipforge.hpc.mpi import WorkList, mpi
 MPI = mpi()
 from clipforge.preprocess import pack
 from clipforge.preprocess.corpus import SplitRatios
 from clipforge.preprocess.decode import ClipParams
+from clipforge.preprocess.pack import PackPlan, scan_corpus, video_table
 
 checked = []
 real_check = pack.check_paths
 pack.check_paths = lambda root, rels: checked.append(len(rels)) or real_check(root, rels)
 comm = MPI.COMM_WORLD
-corpus = pack._scan_together(Path(sys.argv[1]), SplitRatios(), ClipParams(), comm)
-items = pack._items({"table": {"classes": corpus.classes, "videos": [v.__dict__ for v in corpus.videos]},
-                     "todo": list(range(len(corpus.videos)))}) if comm.rank == 0 else None
-work = pack._WorkList(comm, items)
+corpus = scan_corpus(Path(sys.argv[1]), SplitRatios(), ClipParams(), comm)
+items = PackPlan(video_table(corpus), todo=list(range(len(corpus.videos)))).items() if comm.rank == 0 else None
+work = WorkList(comm, items)
 taken = [work.get(i) for i in range(comm.rank, len(work), 997)]
 listed = [list(items[i]) for i in range(len(items))] if comm.rank == 0 else None  # rank 0's own list
 print(json.dumps({"rank": comm.rank, "checked": checked, "items": len(work), "taken": [list(t) for t in taken],
