@@ -10,7 +10,7 @@ from submitit.slurm.slurm import _make_sbatch_string
 from clipforge.hpc.launch import job_spec
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import ResourceError, Resources, parse_memory_mb, parse_time
-from clipforge.jobs.cli import JOB_MODULES
+from clipforge.jobs.commands.jobs import JOB_MODULES
 
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parent.parent
