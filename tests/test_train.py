@@ -90,13 +90,16 @@ def test_a_pipeline_of_two_stages_trains_like_one_process(mpiexec, tiny_store: P
     load_weights(model, tmp_path / "pipe" / "final" / "model.safetensors")
 
 
-def test_two_pipeline_stages_times_two_data_parallel_train_on_four_processes(
+def test_two_pipeline_stages_times_two_data_parallel_on_four_processes_train_like_two_data_parallel_ranks(
     mpiexec, tiny_store: Path, tmp_path: Path
 ) -> None:
-    train(
-        mpiexec, tiny_store, tmp_path, "--parallel.pipeline-stages", "2", "--parallel.zero-stage", "1", ranks=4, steps=6
-    )
-    assert len(losses(tmp_path)) == 6 and json.loads((tmp_path / "final" / "run.json").read_text())["world_size"] == 4
+    zero = ["--parallel.zero-stage", "1"]
+    train(mpiexec, tiny_store, tmp_path / "grid", "--parallel.pipeline-stages", "2", *zero, ranks=4, steps=6)
+    train(mpiexec, tiny_store, tmp_path / "flat", *zero, ranks=2, steps=6)
+    grid, flat = losses(tmp_path / "grid"), losses(tmp_path / "flat")
+    # Each data-parallel pair of stages reads what one of the two flat ranks reads: the same global batches.
+    assert len(grid) == 6 and all(abs(grid[s] - flat[s]) < 1e-4 for s in flat), (grid, flat)
+    assert json.loads((tmp_path / "grid" / "final" / "run.json").read_text())["world_size"] == 4
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
