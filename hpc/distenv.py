@@ -233,17 +233,19 @@ def collective_device():
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, device) -> bool:
-    """Start the default process group of a job of several ranks (NCCL on GPUs, else gloo); False for one rank.
+def init_process_group(env: DistEnv, device, single: bool = False, timeout_s: float = 600) -> bool:
+    """Start the default process group (NCCL on GPUs, else gloo); the one place a job starts one.
 
-    Call :func:`task_device` first: NCCL binds each rank to the current device.
+    A job of one rank gets none (False) unless ``single``: DeepSpeed wants a group even then. Call
+    :func:`task_device` first: NCCL binds each rank to the current device. DeepSpeed adopts the group
+    this starts (``deepspeed.initialize`` wraps an initialised default group instead of making its own).
     """
     import datetime
 
     import torch.distributed as dist
 
-    if env.world_size == 1 or dist.is_initialized():
+    if dist.is_initialized() or (env.world_size == 1 and not single):
         return dist.is_initialized()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True

@@ -28,6 +28,7 @@ from typing import Any
 
 from clipforge.base.errors import UserError
 
+from .collective import over_torch, rank_zero_decides
 from .processes import process_alive
 
 LOCK_NAME = ".clipforge-writer.json"
@@ -162,21 +163,12 @@ def held_by_rank_zero(directory: Path, what: str, rank: int) -> Iterator[None]:
 
     Call it with the process group started: rank 0's verdict is broadcast.
     """
-    import torch.distributed as dist
-
-    from .distenv import collective_device
-
     lock = WriterLock(directory, what) if rank == 0 else None
-    refusal: list[str | None] = [None]
-    if lock is not None:
-        try:
-            lock.acquire()
-        except WriterBusy as exc:
-            refusal = [str(exc)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(refusal, src=0, device=collective_device())
-    if refusal[0] is not None:
-        raise WriterBusy(refusal[0])
+
+    def take() -> None:  # the answer broadcast is "taken" (None) or the refusal, never the lock itself
+        lock.acquire()
+
+    rank_zero_decides(take, rank == 0, over_torch)
     try:
         yield
     finally:

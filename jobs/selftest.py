@@ -32,7 +32,6 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
         )
 
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -47,7 +46,7 @@ import tyro
 
 from clipforge.base.files import write_json
 from clipforge.base.logs import setup_logging
-from clipforge.hpc.distenv import setup_distributed
+from clipforge.hpc.distenv import init_process_group, setup_distributed
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.requeue import on_requeue
 from clipforge.hpc.resources import Resources
@@ -84,7 +83,7 @@ def parse(argv: list[str] | None = None) -> Config:
 def main(cfg: Config) -> dict:
     env = setup_distributed()
     setup_logging(env.rank)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_process_group(env, torch.device("cpu"), single=True, timeout_s=120)  # gloo: the CPU path is the check
     try:
         value = torch.tensor([env.rank + 1.0])
         dist.all_reduce(value)

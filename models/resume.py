@@ -12,6 +12,7 @@ fetches from the registry, once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from typing import Any
 
 import torch
 
-from clipforge.base.errors import UserError
-from clipforge.hpc.distenv import DistEnv, collective_device
+from clipforge.hpc.collective import over_torch, rank_zero_decides
+from clipforge.hpc.distenv import DistEnv
 from clipforge.rundir import CheckpointIndex
 
 from .settings import TrainError, TrainSettings
@@ -57,17 +58,8 @@ def plan_resume(
     fetch_weights: Callable[[], Path] | None,
 ) -> ResumePlan:
     """Rank 0 decides (verifying, fetching), every rank gets the same plan or the same one-line refusal."""
-    answer: list[Any] = [None]
-    if dist.is_main:
-        try:
-            answer = [_decide(settings, checkpoints, dp_size, elastic, fetch_weights)]
-        except UserError as exc:
-            answer = [TrainError(str(exc))]
-    if dist.world_size > 1:
-        torch.distributed.broadcast_object_list(answer, src=0, device=collective_device())
-    if isinstance(answer[0], Exception):
-        raise answer[0]
-    return answer[0]
+    decide = functools.partial(_decide, settings, checkpoints, dp_size, elastic, fetch_weights)
+    return rank_zero_decides(decide, dist.is_main, over_torch, error=TrainError)
 
 
 def _decide(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import functools
 import logging
 import os
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from clipforge.hpc.distenv import DistEnv, collective_device, setup_distributed, task_device
+from clipforge.hpc.distenv import DistEnv, collective_device, init_process_group, setup_distributed, task_device
 from clipforge.hpc.lock import held_by_rank_zero
 from clipforge.hpc.requeue import Preemption
 from clipforge.preprocess.reader import ClipDataset
@@ -149,8 +148,9 @@ class Trainer:
         """The process group and the run directory's lock, held while the run trains; writers stopped on errors."""
         import deepspeed
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"  # task_device set the current GPU first
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=10))
+        init_process_group(self.dist, self.device, single=True)  # task_device set the current GPU first
+        # DeepSpeed's comm layer adopts that group; a PipelineModule needs it before deepspeed.initialize.
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         with held_by_rank_zero(self.settings.run_dir, "run directory", self.dist.rank):
             try:
                 yield

@@ -115,13 +115,13 @@ def _tensors(value, depth: int = 0):
 
 def run_ddp(cfg: Config) -> None:
     """The peer: plain torch DistributedDataParallel with AdamW at fp32 (what DeepSpeed's stages replace)."""
-    from clipforge.hpc.distenv import setup_distributed, task_device
+    from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
     from clipforge.models.builders import architecture
 
     env = setup_distributed()
     device = task_device(env)  # the current GPU is set before NCCL starts
     cuda = device.type == "cuda"
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    init_process_group(env, device, single=True)
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
     model = torch.nn.parallel.DistributedDataParallel(
         arch.build(seed=0).to(device), device_ids=[device.index] if cuda else None
@@ -168,12 +168,13 @@ def run_stage(cfg: Config) -> None:
     if cfg.stage == -1:
         return run_ddp(cfg)
 
-    from clipforge.hpc.distenv import setup_distributed
+    from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
     from clipforge.models.builders import architecture
     from clipforge.models.parallel import ParallelConfig, deepspeed_config
 
     env = setup_distributed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group(env, task_device(env), single=True)
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # adopts the group (pipelines)
     arch = architecture(cfg.model, 10, cfg.frames, cfg.size)
     torch.manual_seed(0)
     model = arch.build(seed=0)
