@@ -25,7 +25,7 @@ GROUPS = (cluster, jobs, registry, store, fl, models, demo)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not hasattr(args, "func"):
         parser.print_help()
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     return config.guarded(lambda: args.func(args, rest))()
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clipforge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
