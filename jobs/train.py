@@ -46,7 +46,7 @@ from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.checkpointing import CheckpointError
-from clipforge.models.settings import TrainSettings, check_settings
+from clipforge.models.settings import TrainSettings, resolve_settings
 from clipforge.models.trainer import Trainer
 from clipforge.registry.repo import Ref, Registry
 from clipforge.rundir import RunDir
@@ -76,7 +76,7 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
-    check_settings(cfg, cfg.resources.ntasks)
+    resolve_settings(cfg, cfg.resources.ntasks)
     if cfg.model.registry_reference() is not None:
         log.info("starting weights: %s", registry_version(cfg)[1])  # the version exists (one ls-remote)
     if cfg.elastic_min_nodes is not None and (cfg.parallel.layout != "plain" or cfg.parallel.zero_stage == 3):

@@ -132,11 +132,13 @@ def _advise_zero(s: TrainSettings, parameters: int, dist: DistEnv, device: torch
 
 def has_batchnorm(arch: Architecture) -> bool:
     """Whether the model has BatchNorm layers (their running statistics must follow bf16 weights)."""
-    # Layer specs build cheaply at the sizes we test; at the huge sizes only the first and last layers are looked at.
-    for make, args in arch.layers[:2] + arch.layers[-1:]:
-        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in make(*args).modules()):
-            return True
-    return False
+    # Every layer is built on the meta device: no memory for its weights, so a billion-parameter model costs nothing.
+    with torch.device("meta"):
+        return any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            for make, args in arch.layers
+            for m in make(*args).modules()
+        )
 
 
 def class_weights(labels: np.ndarray, classes: int) -> torch.Tensor:

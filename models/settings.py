@@ -1,6 +1,6 @@
 """What a training run is asked to do: its settings, in sections, and the checks made before any process starts.
 
-Every field's docstring is its ``--help`` text. :func:`check_settings` refuses
+Every field's docstring is its ``--help`` text. :func:`resolve_settings` refuses
 a run that cannot work (a store without the split, a model that does not fit
 the clips, a layout that does not divide the ranks, a batch larger than the
 split) in one line, before a job waits in the queue.
@@ -239,8 +239,13 @@ class TrainSettings:
     mae: MaeSettings = dataclasses.field(default_factory=MaeSettings)
 
 
-def check_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Architecture]:
-    """Everything that can be refused before a single process starts: store, model, input, layout, batch."""
+def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Architecture]:
+    """Refuse what cannot work before a single process starts (store, model, input, layout, batch), and fill in
+    what depends on the store and the starting weights.
+
+    It changes ``s``: the starting weights' record brings its architecture (:meth:`ModelSettings.adopt_start`),
+    and ``epochs`` / ``optim.warmup_epochs`` become ``steps`` / ``optim.warmup_steps``.
+    """
     s.model.adopt_start()
     store = ClipStore.open(s.data.store)
     train_set = ClipDataset(store, s.data.train_split)

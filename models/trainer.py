@@ -48,7 +48,7 @@ from .mae import encoder_state, reconstruction_on_ranks
 from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
-from .settings import TrainSettings, check_settings
+from .settings import TrainSettings, resolve_settings
 from .throughput import Throughput, peak_memory_gib
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: its own workspace rule
             torch.use_deterministic_algorithms(True)
         asked = settings.steps
-        self.store, self.arch = check_settings(settings, self.dist.world_size)
+        self.store, self.arch = resolve_settings(settings, self.dist.world_size)
         if settings.epochs is not None and self.dist.is_main:
             log.info(
                 "%g epochs of the %r split: %d steps (not %d)",

@@ -487,11 +487,11 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
 
 
 def test_epochs_and_warm_up_epochs_become_steps_before_anything_runs(tiny_store: Path) -> None:
-    from clipforge.models.settings import check_settings
+    from clipforge.models.settings import resolve_settings
 
     s = TrainSettings(epochs=2.5, batch_per_rank=4, grad_accum=2)
     s.data.store, s.optim.warmup_epochs = tiny_store, 0.5
-    check_settings(s, world_size=2)
+    resolve_settings(s, world_size=2)
     clips, global_batch = len(ClipDataset(tiny_store, "train")), 4 * 2 * 2
     assert s.steps == -(-5 * clips // (2 * global_batch))  # ceil(2.5 epochs x clips / global batch)
     assert s.optim.warmup_steps == round(0.5 * clips / global_batch)
