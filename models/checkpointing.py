@@ -195,8 +195,8 @@ class _Pending:
 class Checkpointer:
     """Checkpoints of one engine: snapshotted by every rank, written in the background, complete once durable."""
 
-    def __init__(self, engine: Any, index: CheckpointIndex, dist: DistEnv, keep: int, layout: dict) -> None:
-        self.engine, self.index, self.dist, self.keep, self.layout = engine, index, dist, keep, layout
+    def __init__(self, engine: Any, index: CheckpointIndex, dist: DistEnv, keep: int, writers: dict) -> None:
+        self.engine, self.index, self.dist, self.keep, self.writers = engine, index, dist, keep, writers
         self.snapshots = SnapshotEngine(engine.device if hasattr(engine, "device") else torch.device("cpu"))
         # DeepSpeed calls its checkpoint engine for every file it saves (and loads): this one snapshots.
         engine.checkpoint_engine = self.snapshots
@@ -256,7 +256,7 @@ class Checkpointer:
             if pending.abort.wait(0.05):
                 return None
         files = {name: entry for manifest in manifests for name, entry in manifest.items()}
-        self.index.mark_complete(pending.tag, pending.step, self.layout, files)
+        self.index.mark_complete(pending.tag, pending.step, self.writers, files)
         written_s = time.perf_counter() - pending.started
         self.index.prune(self.keep)
         size = sum(entry["bytes"] for entry in files.values())

@@ -77,7 +77,7 @@ def _decide(
         weights = fetch_weights() if fetch_weights is not None else s.model.weights
         return ResumePlan(None, 0, s.grad_accum, False, Path(weights) if weights is not None else None)
     step = checkpoints.step(tag)
-    written = checkpoints.layout(tag)
+    written = checkpoints.writers(tag)
     if not written or written["data_parallel"] == now:
         return ResumePlan(tag, step, s.grad_accum, False, None)
     was = written["data_parallel"]

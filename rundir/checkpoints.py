@@ -85,11 +85,11 @@ class CheckpointIndex:
                 continue  # written atomically: a file that does not parse is another writer's temporary
         return found
 
-    def mark_complete(self, tag: str, step: int, layout: dict | None = None, files: dict | None = None) -> None:
+    def mark_complete(self, tag: str, step: int, writers: dict | None = None, files: dict | None = None) -> None:
         """Record every file of ``tag`` with its checksum: from now on it can be resumed.
 
         Rank 0 calls this, after all ranks saved. ``files``: what the ranks' manifests say (hashed as
-        written); a file of the folder they do not name is hashed here. ``layout`` says how the ranks
+        written); a file of the folder they do not name is hashed here. ``writers`` says how the ranks
         that wrote it were arranged (world size, data-parallel ranks, global batch), for a restart on fewer.
         """
         folder = self.folder / tag
@@ -98,17 +98,18 @@ class CheckpointIndex:
             name = str(p.relative_to(folder))
             if p.is_file() and name not in known and not p.name.startswith("."):
                 known[name] = {"sha256": sha256(p), "bytes": p.stat().st_size}
-        write_json(folder / COMPLETE, {"step": step, "files": known, "layout": layout})
+        write_json(folder / COMPLETE, {"step": step, "files": known, "writers": writers})
         write_json(self.folder / LATEST, {"tag": tag})
 
     def step(self, tag: str) -> int:
         """The step a complete checkpoint was taken after."""
         return int(json.loads((self.folder / tag / COMPLETE).read_text())["step"])
 
-    def layout(self, tag: str) -> dict | None:
+    def writers(self, tag: str) -> dict | None:
         """How the ranks that wrote ``tag`` were arranged, as given to :meth:`mark_complete` (None if unknown)."""
         try:
-            return json.loads((self.folder / tag / COMPLETE).read_text()).get("layout")
+            marker = json.loads((self.folder / tag / COMPLETE).read_text())
+            return marker.get("writers", marker.get("layout"))  # "layout": its name in runs written before 2026-12
         except (OSError, ValueError):
             return None
 

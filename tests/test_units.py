@@ -20,14 +20,14 @@ from clipforge.rundir import CheckpointIndex
 # -- the checkpoint index -----------------------------------------------------------------
 
 
-def save(index: CheckpointIndex, step: int, layout: dict | None = None, complete: bool = True) -> str:
+def save(index: CheckpointIndex, step: int, writers: dict | None = None, complete: bool = True) -> str:
     """A checkpoint of two small files after ``step``, marked complete unless ``complete`` is False."""
     tag = index.tag(step)
     (index.path(tag) / "zero").mkdir(parents=True)
     (index.path(tag) / "model.pt").write_bytes(b"weights %d" % step)
     (index.path(tag) / "zero" / "optim.pt").write_bytes(b"optimizer %d" % step)
     if complete:
-        index.mark_complete(tag, step, layout)
+        index.mark_complete(tag, step, writers)
     return tag
 
 
@@ -58,7 +58,7 @@ def test_the_completion_record_lists_every_file_with_its_checksum_but_the_rank_m
     record = json.loads((index.path(tag) / "complete.json").read_text())
     assert sorted(record["files"]) == ["extra.json", "model.pt"]
     assert record["files"]["extra.json"] == {"sha256": sha256(index.path(tag) / "extra.json"), "bytes": 2}
-    assert index.step(tag) == 4 and index.layout(tag) == {"data_parallel": 2, "global_batch": 8}
+    assert index.step(tag) == 4 and index.writers(tag) == {"data_parallel": 2, "global_batch": 8}
     assert index.verify(tag) is None
 
 
@@ -99,7 +99,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_leaves_one_being_writ
     writing = save(index, 16, complete=False)
     assert index.prune(keep=2) == ["step-00000004"]
     assert index.complete() == ["step-00000012", "step-00000008"] and index.path(writing).is_dir()
-    assert index.layout("step-00000004") is None  # gone: no layout, no error
+    assert index.writers("step-00000004") is None  # gone: no record of its writers, no error
 
 
 # -- the throughput meter -----------------------------------------------------------------
