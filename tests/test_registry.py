@@ -16,6 +16,7 @@ import yaml
 from clipforge.base.files import sha256
 from clipforge.models.builders import ModelError, load_weights
 from clipforge.registry import protect
+from clipforge.registry.refs import alias_tag, peeled_alias
 from clipforge.registry.repo import Ref, Registry, RegistryError
 from clipforge.rundir import HEADLINE_METRICS, InputShape, RunDir, RunRecord
 
@@ -189,8 +190,14 @@ def test_tampered_weights_in_the_remote_are_refused(registry: Registry, tmp_path
 def test_pulling_one_version_downloads_only_its_objects(registry: Registry, tmp_path: Path) -> None:
     for i in range(3):
         registry.push(make_run(tmp_path / f"run{i}", i), "clipnet")
+    wanted = sha256(tmp_path / "run1" / "final" / "model.safetensors")
+    others = [p for p in stored_objects(registry) if p.name != wanted]
+    assert len(others) == 2
+    for other in others:
+        other.unlink()  # a pull that reads, or downloads, any other version's weights now fails
     fetched = registry.pull(Ref.parse("clipnet@v2"), tmp_path / "pulled")
-    assert fetched == [sha256(tmp_path / "run1" / "final" / "model.safetensors")]
+    assert fetched == [wanted]
+    assert sha256(tmp_path / "pulled" / "model.safetensors") == wanted
 
 
 def test_review_shows_metric_deltas_against_the_alias(registry: Registry, tmp_path: Path) -> None:
@@ -198,7 +205,7 @@ def test_review_shows_metric_deltas_against_the_alias(registry: Registry, tmp_pa
     registry.promote(Ref.parse("clipnet@v1"), "production")
     registry.push(make_run(tmp_path / "b", 1, top1=0.7, lr=5e-4), "clipnet")
     text = registry.review(Ref.parse("clipnet@v2"), "production")
-    assert "Compared with v1." in text or "production (v1)" in text
+    assert "Compared with v1." in text.splitlines()  # production is v2's parent: named once, as v1
     assert "| video top-1 | 0.6000 | 0.8000 | +0.2000 ▲ better |" in text
     assert "| loss | 0.5000 | 0.3000 | -0.2000 ▲ better |" in text
     assert "- `optim.lr`: 0.001 → 0.0005" in text
@@ -454,3 +461,121 @@ def test_init_gives_a_group_shared_registry_and_protect_prints_hosted_rules(tmp_
     assert kinds == {"deletion", "non_fast_forward", "update"} and "repos/acme/models/rulesets" in shown.stdout
     odd = subprocess.run([*cli, "/some/path.git", "protect"], capture_output=True, text=True)
     assert odd.returncode != 0 and "is not a GitHub or GitLab URL" in odd.stderr and "Traceback" not in odd.stderr
+
+
+@pytest.mark.parametrize(
+    "text,ref",
+    [
+        ("clipnet", Ref("clipnet")),
+        ("clipnet@v3", Ref("clipnet", version=3)),
+        ("clipnet@v12", Ref("clipnet", version=12)),
+        ("clipnet@production", Ref("clipnet", alias="production")),
+        ("videomae-b.k400_v2@staging", Ref("videomae-b.k400_v2", alias="staging")),
+        ("clipnet@v3x", Ref("clipnet", alias="v3x")),  # not a version number: a name, so an alias
+    ],
+)
+def test_a_reference_parses_to_a_version_an_alias_or_the_newest(text: str, ref: Ref) -> None:
+    assert Ref.parse(text) == ref
+    assert str(Ref.parse(text)) == text
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("Clipnet", "'Clipnet' is not a model name"),
+        ("clip net@v1", "'clip net' is not a model name"),
+        ("", "'' is not a model name"),
+        ("-clipnet", "'-clipnet' is not a model name"),
+        ("clipnet@V3", "'clipnet@V3': after '@' give a version (v3) or an alias (production)"),
+        ("clipnet@prod/uction", "'clipnet@prod/uction': after '@' give a version"),
+    ],
+)
+def test_a_malformed_reference_is_refused_with_what_to_write(text: str, message: str) -> None:
+    with pytest.raises(RegistryError) as caught:
+        Ref.parse(text)
+    assert str(caught.value).startswith(message)
+
+
+def test_a_version_is_a_branch_and_an_alias_a_tag() -> None:
+    ref = Ref("clipnet", version=3)
+    assert ref.branch == "models/clipnet/v3"
+    assert Ref.of_branch(f"refs/heads/{ref.branch}") == ref
+    for other in ("refs/heads/main", "refs/heads/models/clipnet/latest", "refs/heads/models/a/b/v1", "models/x/v1"):
+        assert Ref.of_branch(other) is None, other
+    assert alias_tag("clipnet", "production") == "refs/tags/clipnet/production"
+    assert peeled_alias("refs/tags/clipnet/production^{}") == ("clipnet", "production")
+    assert peeled_alias("refs/tags/clipnet/production") is None  # the tag object itself, not its commit
+
+
+def hosted_forbids(rulesets: list[dict], ref: str, change: str) -> bool:
+    """Whether GitHub would refuse ``change`` (create, update, force or delete) of ``ref`` under ``rulesets``.
+
+    GitHub's ref_name patterns are fnmatch's: ``*`` stops at '/', ``**`` does not.
+    """
+    import re
+
+    forbids = {"deletion": {"delete"}, "non_fast_forward": {"force"}, "update": {"update", "force"}}
+    for ruleset in rulesets:
+        prefix = "refs/heads/" if ruleset["target"] == "branch" else "refs/tags/"
+        patterns = [
+            re.escape(p).replace(r"\*\*", ".*").replace(r"\*", "[^/]*")
+            for p in ruleset["conditions"]["ref_name"]["include"]
+        ]
+        if ref.startswith(prefix) and any(re.fullmatch(p, ref) for p in patterns):
+            if any(change in forbids.get(rule["type"], set()) for rule in ruleset["rules"]):
+                return True
+    return False
+
+
+def test_the_bare_remotes_hooks_refuse_the_pushes_the_hosted_rules_forbid_and_allow_the_rest(tmp_path: Path) -> None:
+    import json
+
+    _, commands, _ = protect.hosted_rules("https://github.com/acme/models.git")
+    rulesets = [json.loads(command[-1]) for command in commands]
+    registry = Registry.init(str(tmp_path / "remote.git"))
+    for i in range(2):
+        registry.push(make_run(tmp_path / f"run{i}", i), "clipnet")
+    registry.promote(Ref.parse("clipnet@v1"), "production")
+    clone = plain_clone(registry, tmp_path / "clone")
+    plain_git(clone, "checkout", "-q", "-B", "on-v1", "origin/models/clipnet/v1")
+    (clone / "clipnet" / "notes.txt").write_text("a fix after the release\n")
+    plain_git(clone, "add", "clipnet/notes.txt")
+    plain_git(clone, "commit", "-qm", "clipnet v1\n\nRegistry-Version: clipnet@v1")
+    plain_git(clone, "checkout", "-q", "--orphan", "evil")
+    plain_git(clone, "commit", "-q", "--allow-empty", "-m", "history, rewritten")
+    forbidden = {
+        "delete a version": (["push", "origin", ":models/clipnet/v2"], "refs/heads/models/clipnet/v2", "delete"),
+        "force over a version": (
+            ["push", "-f", "origin", "evil:models/clipnet/v1"],
+            "refs/heads/models/clipnet/v1",
+            "force",
+        ),
+        "fast-forward a version": (
+            ["push", "origin", "on-v1:models/clipnet/v1"],
+            "refs/heads/models/clipnet/v1",
+            "update",
+        ),
+        "delete an alias": (
+            ["push", "origin", ":refs/tags/clipnet/production"],
+            "refs/tags/clipnet/production",
+            "delete",
+        ),
+        "force over main": (["push", "-f", "origin", "evil:main"], "refs/heads/main", "force"),
+        "delete main": (["push", "origin", ":main"], "refs/heads/main", "delete"),
+    }
+    before = registry.origin.ls_remote("refs/*")
+    for what, (args, ref, change) in forbidden.items():
+        assert hosted_forbids(rulesets, ref, change), f"the hosted rules allow: {what}"
+        result = plain_git(clone, *args, check=False)
+        assert result.returncode != 0 and "rejected" in result.stderr, (what, result.stderr)
+    assert registry.origin.ls_remote("refs/*") == before  # not one ref moved
+    # What the registry itself pushes, both allow: a new version branch, and main moved forward.
+    assert not hosted_forbids(rulesets, "refs/heads/models/clipnet/v3", "create")
+    assert not hosted_forbids(rulesets, "refs/heads/main", "update")
+    assert registry.push(make_run(tmp_path / "run2", 2), "clipnet") == Ref("clipnet", 3)
+    plain_git(clone, "checkout", "-q", "-B", "main", "origin/main")
+    (clone / "NOTES.md").write_text("reviewed by the team\n")
+    plain_git(clone, "add", "NOTES.md")
+    plain_git(clone, "commit", "-qm", "notes")
+    plain_git(clone, "pull", "-q", "--rebase", "origin", "main")
+    plain_git(clone, "push", "-q", "origin", "main")
