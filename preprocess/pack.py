@@ -25,6 +25,7 @@ from typing import Any
 
 from clipforge.base.errors import UserError
 from clipforge.base.logs import Progress
+from clipforge.hpc.collective import over_mpi, rank_zero_decides
 from clipforge.hpc.lock import WriterLock
 from clipforge.hpc.lustre import stripe_directory
 from clipforge.hpc.mpi import Counters, WorkList, mpi
@@ -144,13 +145,14 @@ def pack_corpus(
     lock = WriterLock(out, "clip store") if comm.rank == 0 else None  # one packing job per store
     try:
         corpus = scan_corpus(source, ratios, params, comm)
-        plan = _plan(corpus, out, params, options, lock) if lock else None
-        # What every rank needs of the plan: a few numbers, not the video table.
-        header = (plan.table["root"], plan.next_shard) if isinstance(plan, PackPlan) else plan
-        header = comm.bcast(header, root=0)
-        if isinstance(header, Exception):
-            raise header  # every rank stops with rank 0's one-line reason
-        root, next_shard = header
+        plan: PackPlan | None = None
+
+        def decide() -> tuple[str, int]:  # what every rank needs of the plan: a few numbers, not the video table
+            nonlocal plan
+            plan = _plan(corpus, out, params, options, lock)
+            return plan.table["root"], plan.next_shard
+
+        root, next_shard = rank_zero_decides(decide, lock is not None, over_mpi(comm), error=PackError)
         work = WorkList(comm, plan.items() if lock else None)
         counters = Counters(comm, [next_shard if slot == NEXT_SHARD else 0 for slot in SLOTS])
         try:
@@ -174,16 +176,14 @@ def scan_corpus(source: Path, ratios: SplitRatios, params: ClipParams, comm) -> 
     A million-file corpus on Lustre is millions of metadata calls (resolve, stat, access): shared by the
     ranks they take 1/N of the time, and no rank but 0 ever holds more than its share of the listing.
     """
-    listing: Listing | Exception | None = None
-    if comm.rank == 0:
-        try:
-            params.check()
-            listing = list_corpus(source)
-        except UserError as exc:
-            listing = PackError(str(exc))
-    failed = comm.bcast(listing if isinstance(listing, Exception) else None, root=0)
-    if failed is not None:
-        raise failed
+    listing: Listing | None = None
+
+    def listed() -> None:  # rank 0 keeps the listing; the others learn only whether it failed
+        nonlocal listing
+        params.check()
+        listing = list_corpus(source)
+
+    rank_zero_decides(listed, comm.rank == 0, over_mpi(comm), error=PackError)
     if comm.rank == 0:
         assert isinstance(listing, Listing)
         rels = [rel for rel, _, _ in listing.entries]
@@ -201,7 +201,7 @@ def scan_corpus(source: Path, ratios: SplitRatios, params: ClipParams, comm) -> 
 
 def _plan(
     corpus: Corpus | PackError, out: Path, params: ClipParams, options: PackOptions, lock: WriterLock
-) -> PackPlan | PackError:
+) -> PackPlan:
     """Rank 0: take the store's writer lock, check the directory, list what is left to do (longest first)."""
     try:
         if isinstance(corpus, PackError):
@@ -246,7 +246,7 @@ def _plan(
             reused=len(markers),
         )
     except UserError as exc:
-        return PackError(str(exc))
+        raise PackError(str(exc)) from None
 
 
 def _work(
