@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -340,9 +341,11 @@ def _decode_forward(container, path: Path, params: ClipParams, targets: list[flo
     decoded = _Decoded(targets, fps, _Resizer(params))
     with container:
         stream = _video_stream(container, path)
+        # Exactly decode_threads threads: FFmpeg's default (0) starts one per core in every rank, so N ranks
+        # on N cores would run N*N decoder threads and hand every frame between them.
+        stream.thread_count = params.decode_threads
         if params.decode_threads > 1:
             stream.thread_type = "AUTO"
-            stream.thread_count = params.decode_threads
         for packet in container.demux(stream):
             try:
                 frames = packet.decode()
@@ -359,7 +362,7 @@ def _decode_forward(container, path: Path, params: ClipParams, targets: list[flo
 
 
 class _Resizer:
-    """One swscale context reused for every frame (1.5-3x faster than a new one per frame).
+    """One swscale context reused for every frame (1.5-3x faster than a new one per frame) and every video.
 
     The geometry is worked out once per frame size and rotation: reading the rotation from each
     frame's side data and recomputing it was a visible part of the per-frame cost.
@@ -367,7 +370,7 @@ class _Resizer:
 
     def __init__(self, params: ClipParams) -> None:
         self.params = params
-        self.reformatter = av.video.reformatter.VideoReformatter()
+        self.reformatter = _reformatter()
         self.rotation: int | None = None
         self.geometry: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -395,6 +398,17 @@ class _Resizer:
             dw, dh = max(p.width, round(w * scale)), max(p.height, round(h * scale))
         cw, ch = (dh, dw) if turned else (dw, dh)
         return cw, ch, (dh - p.height) // 2, (dw - p.width) // 2
+
+
+_per_thread = threading.local()
+
+
+def _reformatter() -> av.video.reformatter.VideoReformatter:
+    """This thread's swscale context, kept from video to video: a new one per video costs a visible share of
+    decoding a short one. FFmpeg rebuilds it only when a frame's size or format differs from the last."""
+    if not hasattr(_per_thread, "reformatter"):
+        _per_thread.reformatter = av.video.reformatter.VideoReformatter()
+    return _per_thread.reformatter
 
 
 def _open(path: Path):

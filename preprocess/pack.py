@@ -75,6 +75,10 @@ class PackSummary:
     bytes: int
     seconds: float
     reused_shards: int
+    cpu_seconds: float = 0.0
+    """CPU time of every rank over the run, decoder threads included."""
+    cores: int = 1
+    """Cores the run was given: ranks times decoder threads per rank."""
     disk: int = 0
     """Bytes the shards take on disk (equal to ``bytes`` but for a block's rounding: shards have no holes)."""
     partial: int = 0
@@ -84,12 +88,18 @@ class PackSummary:
     def clips_per_s(self) -> float:
         return self.clips / self.seconds if self.seconds else 0.0
 
+    @property
+    def busy(self) -> float:
+        """The share of its cores the run kept busy (CPU time over wall time times cores)."""
+        return self.cpu_seconds / (self.seconds * self.cores) if self.seconds else 0.0
+
     def line(self) -> str:
         return (
             f"packed {self.videos} videos into {self.clips} clips ({self.bytes / 2**20:.1f} MiB, "
             f"{self.disk / 2**20:.1f} MiB on disk) in {self.seconds:.1f} "
             "s "
-            f"({self.clips_per_s:.1f} clips/s); {self.partial} partial or damaged, {self.failed} failed, "
+            f"({self.clips_per_s:.1f} clips/s, {self.busy:.0%} of {self.cores} "
+            f"{'core' if self.cores == 1 else 'cores'} busy); {self.partial} partial or damaged, {self.failed} failed, "
             f"{self.skipped} skipped; "
             f"{self.reused_shards} shards kept from an earlier run"
         )
@@ -141,7 +151,7 @@ def pack_corpus(
     MPI = mpi()
 
     comm = comm or MPI.COMM_WORLD
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     lock = WriterLock(out, "clip store") if comm.rank == 0 else None  # one packing job per store
     try:
         corpus = scan_corpus(source, ratios, params, comm)
@@ -160,7 +170,14 @@ def pack_corpus(
         finally:
             counters.free()
             work.free()
-        return _finish(plan, out, time.time() - started) if lock else None
+        others = comm.gather(time.process_time() - cpu_started, root=0)
+        if not lock:
+            return None
+        summary = _finish(plan, out, time.time() - started)
+        summary.cpu_seconds = time.process_time() - cpu_started + sum(others[1:])
+        summary.cores = comm.size * params.decode_threads
+        log.info("%s", summary.line())
+        return summary
     finally:
         if lock:
             lock.release()
@@ -358,7 +375,6 @@ def _finish(plan: PackPlan, out: Path, seconds: float) -> PackSummary:
         seconds=seconds,
         reused_shards=plan.reused,
     )
-    log.info("%s", summary.line())
     return summary
 
 
