@@ -22,6 +22,7 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
+DP_SIGMA, DP_CLIP = 1e-6, 1e4
 TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
 
 
@@ -31,6 +32,28 @@ def federation(store: Path, run: Path, *extra: str, wait: bool = True):
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def one_round(tiny_store: Path, tmp_path_factory) -> dict[str, Path]:
+    """One round of each variant compared with the clear FedAvg round, the three federations at once: each is
+    mostly process start-up and waiting on its SuperLink, which overlap on the same cores."""
+    root = tmp_path_factory.mktemp("one-round")
+    # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
+    variants = {
+        "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
+        "fedprox": ["--proximal-mu", "1000"],
+        "bf16": ["--transport", "bf16"],
+    }
+    running = {}
+    for name, extra in variants.items():
+        argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(tiny_store)]
+        argv += ["--run-dir", str(root / name), "--executor", "debug", "--clients", "2", *TINY, "--rounds", "1"]
+        with open(root / f"{name}.log", "w") as log:
+            running[name] = subprocess.Popen([*argv, *extra], stdout=log, stderr=subprocess.STDOUT)
+    for name, process in running.items():
+        assert process.wait(timeout=600) == 0, (root / f"{name}.log").read_text()[-3000:]
+    return {name: root / name for name in variants}
 
 
 @pytest.fixture(scope="module")
@@ -145,19 +168,11 @@ def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_g
     assert all((tmp_path / name).read_bytes() == data for name, data in kept.items())  # by the same CA
 
 
-def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_epsilon(
-    resumed, tiny_store: Path, tmp_path: Path
-) -> None:
+def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_epsilon(resumed, one_round) -> None:
     import dp_accounting
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    run = tmp_path / "dp"
-    # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
-    sigma, clip, clients = 1e-6, 1e4, 2
-    result = federation(
-        tiny_store, run, "--rounds", "1", "--dp.noise-multiplier", str(sigma), "--dp.clipping-norm", str(clip)
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run, sigma, clip, clients = one_round["dp"], DP_SIGMA, DP_CLIP, 2
     noised = load_file(str(run / "final" / "model.safetensors"))
     clear = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))
     noise = torch.cat([(noised[k] - clear[k]).flatten() for k in clear])
@@ -190,10 +205,8 @@ def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_
     assert fl_train.plan(alone).rounds == 5 and fl_train.plan(alone).dp_noise_multiplier == z
 
 
-def test_fedprox_keeps_the_clients_near_the_global_model(resumed, tiny_store: Path, tmp_path: Path) -> None:
-    run = tmp_path / "fedprox"
-    result = federation(tiny_store, run, "--rounds", "1", "--proximal-mu", "1000")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_fedprox_keeps_the_clients_near_the_global_model(resumed, one_round) -> None:
+    run = one_round["fedprox"]
     start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
 
     def moved(weights: dict[str, torch.Tensor]) -> float:
@@ -214,10 +227,8 @@ def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_sto
         fl_train.check(cfg)
 
 
-def test_bf16_transport_gives_fedavgs_round_within_its_rounding(resumed, tiny_store: Path, tmp_path: Path) -> None:
-    run = tmp_path / "bf16"
-    result = federation(tiny_store, run, "--rounds", "1", "--transport", "bf16")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_bf16_transport_gives_fedavgs_round_within_its_rounding(resumed, one_round) -> None:
+    run = one_round["bf16"]
     start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
     half = load_file(str(run / "final" / "model.safetensors"))
     full = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))  # the same round in fp32
