@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from pathlib import Path
 from typing import Any, Literal
 
 import av
-import av.video.reformatter
 import numpy as np
 
 from clipforge.base.errors import UserError
+
+from .resize import Resizer
 
 
 class ClipParamsError(UserError):
@@ -223,7 +223,7 @@ class _Decoded:
     they are the same frames, and each is converted once.
     """
 
-    def __init__(self, targets: list[float], fps: float, resizer: _Resizer) -> None:
+    def __init__(self, targets: list[float], fps: float, resizer: Resizer) -> None:
         self.targets, self.fps, self.resizer = targets, fps, resizer
         self.by_order = {min(int(t * fps + TOLERANCE), 1 << 40) for t in targets}
         self.by_pts: list[int] = []
@@ -338,7 +338,7 @@ class _Decoded:
 
 def _decode_forward(container, path: Path, params: ClipParams, targets: list[float], fps: float) -> _Decoded:
     """Decode every frame from the start; a packet that fails is noted and decoding goes on after it."""
-    decoded = _Decoded(targets, fps, _Resizer(params))
+    decoded = _Decoded(targets, fps, Resizer(params.height, params.width, params.resize))
     with container:
         stream = _video_stream(container, path)
         # Exactly decode_threads threads: FFmpeg's default (0) starts one per core in every rank, so N ranks
@@ -359,56 +359,6 @@ def _decode_forward(container, path: Path, params: ClipParams, targets: list[flo
         why = f" ({decoded.errors[0][1]})" if decoded.errors else ""
         raise VideoError(f"no decodable frames{why}")
     return decoded
-
-
-class _Resizer:
-    """One swscale context reused for every frame (1.5-3x faster than a new one per frame) and every video.
-
-    The geometry is worked out once per frame size and rotation: reading the rotation from each
-    frame's side data and recomputing it was a visible part of the per-frame cost.
-    """
-
-    def __init__(self, params: ClipParams) -> None:
-        self.params = params
-        self.reformatter = _reformatter()
-        self.rotation: int | None = None
-        self.geometry: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-
-    def __call__(self, frame: av.VideoFrame) -> np.ndarray:
-        if self.rotation is None:  # quarter turns counter-clockwise, from the stream's display matrix
-            self.rotation = int(round((frame.rotation or 0) / 90)) % 4
-        size = (frame.width, frame.height)
-        if size not in self.geometry:
-            self.geometry[size] = self._geometry(*size)
-        cw, ch, top, left = self.geometry[size]
-        rgb = self.reformatter.reformat(frame, width=cw, height=ch, format="rgb24", interpolation="BILINEAR", threads=1)
-        img = rgb.to_ndarray()
-        if self.rotation:
-            img = np.rot90(img, k=self.rotation)
-        return img[top : top + self.params.height, left : left + self.params.width]
-
-    def _geometry(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """(scaled width, scaled height) before turning, and the crop's (top, left) after."""
-        p, turned = self.params, self.rotation % 2
-        w, h = (height, width) if turned else (width, height)
-        if p.resize == "stretch":
-            dw, dh = p.width, p.height
-        else:
-            scale = max(p.width / w, p.height / h)
-            dw, dh = max(p.width, round(w * scale)), max(p.height, round(h * scale))
-        cw, ch = (dh, dw) if turned else (dw, dh)
-        return cw, ch, (dh - p.height) // 2, (dw - p.width) // 2
-
-
-_per_thread = threading.local()
-
-
-def _reformatter() -> av.video.reformatter.VideoReformatter:
-    """This thread's swscale context, kept from video to video: a new one per video costs a visible share of
-    decoding a short one. FFmpeg rebuilds it only when a frame's size or format differs from the last."""
-    if not hasattr(_per_thread, "reformatter"):
-        _per_thread.reformatter = av.video.reformatter.VideoReformatter()
-    return _per_thread.reformatter
 
 
 def _open(path: Path):

@@ -312,7 +312,8 @@ def test_training_from_registry_weights_through_submitit_on_slurm_survives_scont
         "2",
         *TINY,
     ]
-    run_script("clipforge.jobs.train", [*args, "--wait", "True", "--run-dir", str(tmp_path / "reference")])
+    # Both jobs at once (the node has room for both): their start-ups and Slurm's scheduling overlap.
+    reference = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(tmp_path / "reference")])
     run = tmp_path / "requeued"
     job = run_script(
         "clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run), "--checkpoint-every", "4"]
@@ -323,6 +324,7 @@ def test_training_from_registry_weights_through_submitit_on_slurm_survives_scont
         time.sleep(0.05)
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
     result = job.results()[0]
+    reference.results()
     log = Path(str(job.paths.stderr)).read_text()
     assert "resumed from checkpoint step-000000" in log, log[-3000:]
     assert result["step"] == 80
