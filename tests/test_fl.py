@@ -26,11 +26,12 @@ DP_SIGMA, DP_CLIP = 1e-6, 1e4
 TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
 
 
-def federation(store: Path, run: Path, *extra: str, wait: bool = True):
+def federation(store: Path, run: Path, *extra: str, wait: bool = True, log=subprocess.DEVNULL):
+    """A local federation of 2 clients; without ``wait``, its process (in a session of its own) writing to ``log``."""
     argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
     argv += ["--executor", "debug", "--clients", "2", *TINY, *extra]
     if not wait:
-        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
 
 
@@ -47,10 +48,8 @@ def one_round(tiny_store: Path, tmp_path_factory) -> dict[str, Path]:
     }
     running = {}
     for name, extra in variants.items():
-        argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(tiny_store)]
-        argv += ["--run-dir", str(root / name), "--executor", "debug", "--clients", "2", *TINY, "--rounds", "1"]
         with open(root / f"{name}.log", "w") as log:
-            running[name] = subprocess.Popen([*argv, *extra], stdout=log, stderr=subprocess.STDOUT)
+            running[name] = federation(tiny_store, root / name, "--rounds", "1", *extra, wait=False, log=log)
     for name, process in running.items():
         assert process.wait(timeout=600) == 0, (root / f"{name}.log").read_text()[-3000:]
     return {name: root / name for name in variants}
