@@ -104,8 +104,8 @@ class Config:
     port: int = 0
     """The SuperLink's port (0: a free one)."""
     round_timeout_s: float = 600.0
-    """How long a round waits for its clients' answers: a client that has not answered by then (a lost node) is
-    left out, and the round goes on if --min-clients answered."""
+    """How long a round waits for its clients' answers (under --secagg: each of its four exchanges): a client that
+    has not answered by then (a lost node) is left out, and the round goes on if --min-clients answered."""
     seed: int = 0
     """Seed of the model's initialisation, the partition and the clients' shuffling."""
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
@@ -274,7 +274,10 @@ def main(cfg: Config) -> dict | None:
             log.info("SuperLink at %s (TLS); %d client tasks join it", address, cfg.clients)
         plan_file = plan(cfg).write(work / "plan.json")
         run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
-        run_id, status = superlink.run(run_config, cfg.round_timeout_s * cfg.rounds)
+        # Every round (each of SecAgg+'s four exchanges) may wait its timeout; the ServerApp's start and the
+        # evaluations take the allowance.
+        waits = cfg.rounds * (4 if cfg.secagg else 1)
+        run_id, status = superlink.run(run_config, waits * cfg.round_timeout_s + 600)
     finally:
         if env.world_size > 1:
             _signal(work, "finished", env.job_id, env.restart_count, status)

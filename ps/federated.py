@@ -133,25 +133,6 @@ def serve(grid, context) -> None:
         )
         return float(metrics["loss"]), {"video_top1": float(metrics["video_top1"])}
 
-    def round_config(server_round: int) -> dict[str, Any]:
-        """What a client needs to build the model and train it this round (Flower sends it with the weights)."""
-        return {
-            "round": done + server_round,
-            "model": plan.model,
-            "overrides": json.dumps(plan.overrides),
-            "classes": len(store.classes),
-            "frames": frames,
-            "size": size,
-            "crop": plan.crop or 0,
-            "flip": plan.flip,
-            "epochs": plan.local_epochs,
-            "lr": plan.lr,
-            "batch": plan.batch,
-            "seed": plan.seed,
-            "proximal_mu": plan.proximal_mu,
-            "transport": plan.transport,
-        }
-
     sampled = max(plan.min_clients, round(plan.client_fraction * plan.clients))  # as FedAvg samples
     if done < plan.rounds:
         algorithm = FedProx if plan.proximal_mu > 0 else FedAvg
@@ -164,7 +145,7 @@ def serve(grid, context) -> None:
             min_available_clients=plan.min_clients,
             initial_parameters=ndarrays_to_parameters([v.numpy() for v in model.state_dict().values()]),
             evaluate_fn=after_round,
-            on_fit_config_fn=round_config,
+            on_fit_config_fn=lambda server_round: round_config(plan, store, done + server_round),
         )
         if plan.transport != "fp32":
             strategy = half_transport(strategy)
@@ -186,6 +167,27 @@ def serve(grid, context) -> None:
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+
+
+def round_config(plan: FederatedPlan, store: ClipStore, round_index: int) -> dict[str, Any]:
+    """What a client needs to build the model and train it in round ``round_index`` (Flower sends it with the
+    weights)."""
+    return {
+        "round": round_index,
+        "model": plan.model,
+        "overrides": json.dumps(plan.overrides),
+        "classes": len(store.classes),
+        "frames": store.params["clip_frames"],
+        "size": plan.crop or store.params["height"],
+        "crop": plan.crop or 0,
+        "flip": plan.flip,
+        "epochs": plan.local_epochs,
+        "lr": plan.lr,
+        "batch": plan.batch,
+        "seed": plan.seed,
+        "proximal_mu": plan.proximal_mu,
+        "transport": plan.transport,
+    }
 
 
 def encode(weights: np.ndarray, start: np.ndarray, transport: str) -> np.ndarray:
@@ -277,34 +279,42 @@ def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
 
 
 def _secagg_workflow(plan: FederatedPlan):
-    """Flower's SecAgg+ fit workflow: every sampled client shares its masks with all the others."""
+    """Flower's SecAgg+ fit workflow: every sampled client shares its masks with all the others.
+
+    Each of its four exchanges waits at most the round's timeout: a client that has not answered by then (a
+    lost node, noticed by the SuperLink only after two missed 30-second heartbeats) is dropped, and the round
+    goes on while enough of the clients' key shares remain to unmask the sum. A client lost after it shared
+    its keys (while it trains) is what the protocol tolerates; Flower halts a round that lost one before.
+
+    Flower's workflow only logs that it halted, and its round would then be evaluated and counted with the
+    previous global model; here a halted round stops the run instead, so the run directory keeps its last
+    real round and a restart resumes from it.
+    """
     from flwr.server.workflow import SecAggPlusWorkflow
 
-    return SecAggPlusWorkflow(
+    class Workflow(SecAggPlusWorkflow):
+        def __call__(self, grid, context) -> None:
+            self.unmasked = False
+            super().__call__(grid, context)
+            if not self.unmasked:
+                raise RuntimeError(
+                    "secure aggregation halted: too few clients answered to unmask the sum of their updates "
+                    f"(more than --secagg-may-drop {plan.secagg_may_drop} of them dropped, or one dropped before "
+                    "sharing its keys); the run keeps its last completed round, and a restart resumes from it"
+                )
+
+        def unmask_stage(self, grid, context, state) -> bool:
+            self.unmasked = super().unmask_stage(grid, context, state)
+            return self.unmasked
+
+    return Workflow(
         num_shares=1.0,  # a share of the sampled clients: all of them
         reconstruction_threshold=max(1.0 - plan.secagg_may_drop, 0.01),
         clipping_range=plan.secagg_clipping_range,
         quantization_range=plan.secagg_quantization_range,
         max_weight=plan.secagg_max_weight,
+        timeout=plan.round_timeout_s,
     )
-
-
-def maybe_clip(message, context, call_next):
-    """The ClientApp's mod: Flower's fixedclipping_mod (clip the update) when the run asks for client-level DP."""
-    from flwr.client.mod import fixedclipping_mod
-
-    if bool(context.run_config.get("dp", False)):
-        return fixedclipping_mod(message, context, call_next)
-    return call_next(message, context)
-
-
-def maybe_secagg(message, context, call_next):
-    """The ClientApp's mod: Flower's secaggplus_mod when the run asks for SecAgg+, the plain exchange otherwise."""
-    from flwr.client.mod import secaggplus_mod
-
-    if bool(context.run_config.get("secagg", False)):
-        return secaggplus_mod(message, context, call_next)
-    return call_next(message, context)
 
 
 class _Client:
