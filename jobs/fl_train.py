@@ -14,7 +14,10 @@
 
 With one task per client plus one (--nodes, --ntasks-per-node), the first task
 runs the SuperLink and the ServerApp, serving TLS on its node at the job's port,
-and each other task runs one client's SuperNode, wherever Slurm put it.
+and each other task runs one client's SuperNode, wherever Slurm put it. The job
+outlives a lost node (its step runs with srun --no-kill; give sbatch --no-kill
+too): a round waits --round-timeout-s for the clients there, then goes on with
+those that answered, as long as --min-clients did.
 
 The server is Flower's SuperLink with TLS (the federation's CA) and SuperNode
 authentication: only clients whose public keys are registered join. Each
@@ -381,7 +384,7 @@ def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None
     return None
 
 
-SPEC = JobSpec("clipforge.jobs.fl_train", parse, main, check=check)
+SPEC = JobSpec("clipforge.jobs.fl_train", parse, main, check=check, survives_lost_ranks=True)
 
 if __name__ == "__main__":
     sys.exit(config.guarded(lambda: run_script(SPEC.module))())
