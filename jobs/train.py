@@ -76,9 +76,10 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
-    resolve_settings(cfg, cfg.resources.ntasks)
     if cfg.model.registry_reference() is not None:
-        log.info("starting weights: %s", registry_version(cfg)[1])  # the version exists (one ls-remote)
+        model, overrides = registry_architecture(cfg)  # the version exists, and its architecture is this run's
+        cfg.model.adopt(model, overrides, str(cfg.model.weights))
+    resolve_settings(cfg, cfg.resources.ntasks)
     if cfg.elastic_min_nodes is not None and (cfg.parallel.layout != "plain" or cfg.parallel.zero_stage == 3):
         raise config.ConfigError(
             "--elastic-min-nodes: a restart on fewer nodes reshards ZeRO 0-2 data parallel only; a pipeline needs "
@@ -98,6 +99,15 @@ def registry_version(cfg: Config) -> tuple[Registry, Ref]:
     return registry, registry.resolve(Ref.parse(cfg.model.registry_reference() or ""))
 
 
+def registry_architecture(cfg: Config) -> tuple[str, dict]:
+    """The model and architecture options of the registry version ``--model.weights`` names (its model.yaml)."""
+    registry, ref = registry_version(cfg)
+    architecture = dict(registry.record(ref)["architecture"])
+    for key in ("input", "crop"):  # what the version was trained on, not how it is built
+        architecture.pop(key, None)
+    return architecture.pop("model"), architecture
+
+
 def fetch_registry_weights(cfg: Config, folder: Path) -> Path:
     """Rank 0: copy the registry version's files (weights verified by their sha256) into ``folder``, once."""
     weights = folder / "model.safetensors"
@@ -114,9 +124,13 @@ def fetch_registry_weights(cfg: Config, folder: Path) -> Path:
 def main(cfg: Config) -> dict | None:
     env = dist_env()
     setup_logging(env.rank)
-    fetch = functools.partial(fetch_registry_weights, cfg) if cfg.model.registry_reference() is not None else None
+    from_registry = cfg.model.registry_reference() is not None
     trainer = Trainer(
-        cfg, max_requeues=cfg.launch.requeues(), elastic=cfg.elastic_min_nodes is not None, fetch_weights=fetch
+        cfg,
+        max_requeues=cfg.launch.requeues(),
+        elastic=cfg.elastic_min_nodes is not None,
+        fetch_weights=functools.partial(fetch_registry_weights, cfg) if from_registry else None,
+        start_architecture=functools.partial(registry_architecture, cfg) if from_registry else None,
     )
     if env.rank == 0:
         RunDir(cfg.run_dir).write_config(config.to_dict(cfg))

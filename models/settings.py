@@ -91,23 +91,29 @@ class ModelSettings:
                 ) from None
             return
         record = run.record()
-        if self.name != record.model:
+        self.adopt(record.model, record.model_overrides(), str(path))
+        self.weights = run.weights
+
+    def adopt(self, model: str, overrides: dict[str, Any], source: str) -> None:
+        """Take the architecture of the starting weights ``source``: ``model`` and its ``overrides`` fill what was
+        not asked for; an option asked for that differs is refused in one line (the weights would not fit)."""
+        if self.name != model:
             if self.name != DEFAULT_MODEL:
                 raise TrainError(
-                    f"--model.name {self.name}: the starting weights {path} are a {record.model}; drop --model.name"
+                    f"--model.name {self.name}: the starting weights {source} are a {model}; drop --model.name"
                 )
-            self.name = record.model
-        for key, value in record.model_overrides().items():
+            self.name = model
+        for key, value in overrides.items():
             if key not in ARCHITECTURE_KEYS:
-                raise TrainError(f"--model.weights {path}: its architecture sets {key}, which a run cannot set")
+                raise TrainError(f"--model.weights {source}: its architecture sets {key}, which a run cannot set")
+            value = tuple(value) if isinstance(value, list) else value  # JSON and YAML have no tuples
             asked = getattr(self, key)
             if asked is None:
                 setattr(self, key, value)
             elif asked != value and key != "drop_path":
                 raise TrainError(
-                    f"--model.{key.replace('_', '-')} {asked}: the starting weights {path} have {value}; drop it"
+                    f"--model.{key.replace('_', '-')} {asked}: the starting weights {source} have {value}; drop it"
                 )
-        self.weights = run.weights
 
 
 DEFAULT_MODEL = ModelSettings.name

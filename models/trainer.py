@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from clipforge.hpc.collective import over_torch, rank_zero_decides
 from clipforge.hpc.distenv import DistEnv, collective_device, init_process_group, setup_distributed, task_device
 from clipforge.hpc.lock import held_by_rank_zero
 from clipforge.hpc.requeue import Preemption
@@ -48,7 +49,7 @@ from .mae import encoder_state, reconstruction_on_ranks
 from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
-from .settings import TrainSettings, resolve_settings
+from .settings import TrainError, TrainSettings, resolve_settings
 from .throughput import Throughput, peak_memory_gib
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Trainer:
         max_requeues: int = 3,
         elastic: bool = False,
         fetch_weights: Callable[[Path], Path] | None = None,
+        start_architecture: Callable[[], tuple[str, dict]] | None = None,
     ) -> None:
         self.settings, self.max_requeues, self.elastic, self.fetch_weights = (
             settings,
@@ -99,6 +101,10 @@ class Trainer:
         if settings.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: its own workspace rule
             torch.use_deterministic_algorithms(True)
+        if start_architecture is not None:  # weights from elsewhere (a registry version) bring their architecture
+            init_process_group(self.dist, self.device, single=True)  # rank 0 reads it, every rank builds it
+            model, overrides = rank_zero_decides(start_architecture, self.dist.is_main, over_torch, TrainError)
+            settings.model.adopt(model, overrides, str(settings.model.weights))
         asked = settings.steps
         self.store, self.arch = resolve_settings(settings, self.dist.world_size)
         if settings.epochs is not None and self.dist.is_main:

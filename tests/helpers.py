@@ -67,6 +67,9 @@ TINY = [
     "2",
 ]
 
+TINY_TRAINING = TINY[8:]
+"""TINY less its model flags (for starting weights that bring their own architecture)."""
+
 # The parameter-server job's tiny model and trainers (its own flags: --trainer.batch, not --batch-per-rank).
 PS_TINY = [
     "--model.depth",

@@ -23,7 +23,7 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-from .helpers import TINY, losses, train
+from .helpers import TINY, TINY_TRAINING, losses, train
 
 # The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
 # the other runs shuffle globally.
@@ -310,7 +310,7 @@ def test_training_from_registry_weights_through_submitit_on_slurm_survives_scont
         "1000",
         "--parallel.zero-stage",
         "2",
-        *TINY,
+        *TINY_TRAINING,  # no model flags: the version's record brings its architecture, on every rank
     ]
     # Both jobs at once (the node has room for both): their start-ups and Slurm's scheduling overlap.
     reference = run_script("clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(tmp_path / "reference")])
@@ -486,6 +486,13 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
     with pytest.raises(UserError, match="tiny-start@v7 does not exist; tiny-start has versions v1"):
         train_job.check(cfg)
     assert registry.resolve(Ref.parse("tiny-start@production")) == Ref("tiny-start", version=1)
+    # Without model flags the version's architecture is the run's; a flag that contradicts it is refused.
+    adopted = train_job.parse(["--data.store", str(tiny_store), *TINY_TRAINING, *start])
+    train_job.check(adopted)
+    assert (adopted.model.name, adopted.model.depth, adopted.model.tubelet) == ("videovit-tiny", 2, (2, 8, 8))
+    deeper = train_job.parse(["--data.store", str(tiny_store), *TINY_TRAINING, *start, "--model.depth", "4"])
+    with pytest.raises(UserError, match="--model.depth 4: the starting weights registry:tiny-start@production have 2"):
+        train_job.check(deeper)
 
 
 def test_epochs_and_warm_up_epochs_become_steps_before_anything_runs(tiny_store: Path) -> None:
