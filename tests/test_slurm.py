@@ -43,6 +43,20 @@ def _job_log(job: submitit.Job) -> str:
     return Path(str(job.paths.stdout)).read_text() + Path(str(job.paths.stderr)).read_text()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submitit.Job, Path]:
+    """A job that reaches its time limit twice, submitted before the module's first test and checked after its
+    last: its two minute-long runs mostly wait on Slurm, so the other tests run meanwhile."""
+    root = tmp_path_factory.mktemp("time-limit")
+    # The signal is due as the job starts: slurmctld looks at time limits (and --signal) about every 30 s,
+    # and Slurm's shortest limit is a minute, so a later one only adds waiting to each of the two runs.
+    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=60, max_requeues=1)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CLIPFORGE_JOBS_DIR", str(root / "jobs"))
+        job = run_script(SELFTEST, limits + options(steps=100000, step_seconds=0.5, state_dir=root / "state"))
+    return job, root / "state"
+
+
 def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None:
     results = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "True"])
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -101,21 +115,6 @@ def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_
         assert r["final_step"] == 30
 
 
-def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(slurm, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    # The signal is due as the job starts: slurmctld looks at time limits (and --signal) about every 30 s,
-    # and Slurm's shortest limit is a minute, so a later one only adds waiting to each of the two runs.
-    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=60, max_requeues=1)
-    job = run_script(SELFTEST, limits + options(steps=100000, step_seconds=0.5, state_dir=state))
-    with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
-        job.results()
-    log = _job_log(job)
-    assert "requeuing (restart 1 of at most 1)" in log
-    assert "not requeuing: the job has been requeued 1 times (bound 1)" in log
-    final = json.loads((state / "state.json").read_text())
-    assert final["restart_count"] == 1 and final["step"] > 0
-
-
 def test_a_job_script_inside_salloc_runs_in_the_foreground(slurm) -> None:
     result = subprocess.run(
         ["salloc", "-n", "2", sys.executable, str(REPO / "jobs" / "selftest.py")],
@@ -133,3 +132,14 @@ def test_jobs_list_shows_submitted_jobs_with_their_scheduler_state(slurm) -> Non
     assert len(listed) == 1 and listed[0].name == "selftest" and listed[0].executor == "slurm"
     assert listed[0].state == "COMPLETED"
     assert results["rank"] == 0
+
+
+def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bound(time_limited) -> None:
+    job, state = time_limited
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="checkpoint function returned None"):
+        job.results()
+    log = _job_log(job)
+    assert "requeuing (restart 1 of at most 1)" in log
+    assert "not requeuing: the job has been requeued 1 times (bound 1)" in log
+    final = json.loads((state / "state.json").read_text())
+    assert final["restart_count"] == 1 and final["step"] > 0
