@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -71,18 +72,19 @@ def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 300) ->
 
 
 @pytest.fixture(scope="module")
-def one_round(tiny_store: Path, tmp_path_factory) -> dict[str, Path]:
-    """One round of each variant, the federations at once: each is mostly process start-up and waiting on its
-    SuperLink, which overlap on the same cores. SecAgg+ runs 4 clients and loses the last one mid-round."""
+def one_round_started(tiny_store: Path, tmp_path_factory) -> tuple[Path, dict, Future]:
+    """One round of each variant, the federations started at once (and before the resumed federation of
+    :func:`resumed`): each is mostly process start-up and waiting on its SuperLink, which overlap on the same
+    cores. SecAgg+ runs 4 clients and loses the last one mid-round."""
     root = tmp_path_factory.mktemp("one-round")
     # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
     variants = {
         "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
         "fedprox": ["--proximal-mu", "1000"],
         "bf16": ["--transport", "bf16"],
-        # The SuperLink notices the lost client within two 30-second heartbeats; the stage stops waiting for it then,
-        # or at its timeout. Under this load a client's training stage can take half a minute.
-        "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "60"],
+        # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
+        # then; the timeout only bounds a survivor's training stage, which under this load can take a minute.
+        "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "120"],
     }
     running = {}
     for name, extra in variants.items():
@@ -91,14 +93,21 @@ def one_round(tiny_store: Path, tmp_path_factory) -> dict[str, Path]:
             running[name] = federation(
                 tiny_store, root / name, "--rounds", "1", *extra, clients=clients, wait=False, log=log
             )
-    kill_client_after_its_keys(root / "secagg", 3)
-    for name, process in running.items():
-        assert process.wait(timeout=600) == 0, (root / f"{name}.log").read_text()[-3000:]
-    return {name: root / name for name in variants}
+    killer = ThreadPoolExecutor(1).submit(kill_client_after_its_keys, root / "secagg", 3)
+    return root, running, killer
 
 
 @pytest.fixture(scope="module")
-def resumed(slurm, tiny_store: Path, tmp_path_factory) -> tuple[Path, list]:
+def one_round(one_round_started) -> dict[str, Path]:
+    root, running, killer = one_round_started
+    killer.result(timeout=600)
+    for name, process in running.items():
+        assert process.wait(timeout=600) == 0, (root / f"{name}.log").read_text()[-3000:]
+    return {name: root / name for name in running}
+
+
+@pytest.fixture(scope="module")
+def resumed(slurm, tiny_store: Path, tmp_path_factory, one_round_started) -> tuple[Path, list]:
     """A federation of 2 clients over 2 rounds in one local task, killed after its first round, then started
     again as a Slurm job of 3 tasks: the server's and one per client."""
     from clipforge.hpc.launch import run_script
