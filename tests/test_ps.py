@@ -68,7 +68,10 @@ def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(
         run,
     )
     losses = [r["loss"] for r in rows(run, "train")]
-    assert np.mean(losses[-2:]) < np.mean(losses[:2])
+    # Halves, not the first and last two rows: the two trainers' rows interleave as the server's timing falls,
+    # and one tiny batch's loss swings by half its value (a run ended 1.86, 0.97 after starting 1.49, 1.31).
+    half = len(losses) // 2
+    assert half >= 2 and np.mean(losses[half:]) < np.mean(losses[:half]), losses
     summary = rows(run, "ps")[0]
     assert (
         summary["mode"] == "async"
