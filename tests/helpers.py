@@ -46,15 +46,9 @@ def multinode_env(cluster: LocalCluster) -> dict[str, str]:
 
 # -- the tiny training run ----------------------------------------------------------------
 
-TINY = [
-    "--model.name",
-    "videovit-tiny",
-    "--model.depth",
-    "2",
-    "--model.tubelet",
-    "2",
-    "8",
-    "8",
+TINY_MODEL = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8"]
+"""The tiny test model's flags."""
+TINY_TRAINING = [
     "--batch-per-rank",
     "4",
     "--data.workers",
@@ -66,9 +60,8 @@ TINY = [
     "--optim.warmup-steps",
     "2",
 ]
-
-TINY_TRAINING = TINY[8:]
-"""TINY less its model flags (for starting weights that bring their own architecture)."""
+"""The tiny training run's flags without the model's (for starting weights that bring their own architecture)."""
+TINY = [*TINY_MODEL, *TINY_TRAINING]
 
 # The parameter-server job's tiny model and trainers (its own flags: --trainer.batch, not --batch-per-rank).
 PS_TINY = [

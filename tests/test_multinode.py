@@ -14,7 +14,7 @@ import pytest
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.distenv import expand_nodelist, free_port
 
-from .helpers import PS_TINY, TINY, losses, multinode_env, options, rows
+from .helpers import PS_TINY, TINY, TINY_MODEL, losses, multinode_env, options, rows
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def test_a_federation_that_loses_a_node_mid_round_finishes_the_round_with_the_cl
     argv = ["sbatch", "--parsable", "--no-kill", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'fl.out'}"]
     argv += [str(REPO / "jobs" / "fl_train.py"), "--nodes", "2", "--ntasks-per-node", "2"]
     argv += [*options(data__store=tiny_store, run_dir=run, clients=3, min_clients=1, rounds=1, round_timeout_s=20)]
-    argv += ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
+    argv += [*TINY_MODEL, "--batch", "4"]
     env = multinode_env(multinode)
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
     logs = run / "flower" / "logs"
