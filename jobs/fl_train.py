@@ -101,7 +101,8 @@ class Config:
     the bytes up; not with --secagg, which quantises on its own, or --dp.*, whose clipping needs the weights)."""
     proximal_mu: float = 0.0
     """FedProx: each client's loss gains mu/2 x |w - w_global|^2, which keeps non-IID clients near the global model
-    (0: plain FedAvg)."""
+    (0: plain FedAvg). Applied decoupled from AdamW, as its weight decay is: each step moves lr x mu of the way back
+    to the global model, so mu is on plain gradient descent's scale (10 at lr 0.001: 1% a step)."""
     certs: Path | None = None
     """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
     port: int = 0
@@ -149,6 +150,11 @@ def check(cfg: Config) -> None:
         raise config.ConfigError(cfg.dp.problem())
     if cfg.proximal_mu < 0:
         raise config.ConfigError(f"--proximal-mu {cfg.proximal_mu}: give 0 (FedAvg) or more (FedProx)")
+    if cfg.lr * cfg.proximal_mu > 1:
+        raise config.ConfigError(
+            f"--proximal-mu {cfg.proximal_mu:g} with --lr {cfg.lr:g}: each step moves lr x mu of the way back to the "
+            f"global model, which must be at most 1; give --proximal-mu {1 / cfg.lr:g} or less"
+        )
     if cfg.dp.target_epsilon is not None and budgeted_rounds(cfg) == 0:
         first = privacy.epsilon(noise_multiplier(cfg), cfg.client_fraction, 1, cfg.dp.delta)
         raise config.ConfigError(

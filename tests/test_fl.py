@@ -80,7 +80,7 @@ def one_round_started(tiny_store: Path, tmp_path_factory) -> tuple[Path, dict, F
     # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
     variants = {
         "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
-        "fedprox": ["--proximal-mu", "1000"],
+        "fedprox": ["--proximal-mu", "300"],
         "bf16": ["--transport", "bf16"],
         # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
         # then; the timeout only bounds a survivor's training stage, which under this load can take a minute.
@@ -271,7 +271,7 @@ def test_fedprox_keeps_the_clients_near_the_global_model(resumed, one_round) -> 
     prox = moved(load_file(str(run / "final" / "model.safetensors")))
     plain = moved(load_file(str(resumed[0] / "rounds" / "round-00001.safetensors")))  # FedAvg, the same round
     assert 0 < prox < 0.5 * plain, (prox, plain)
-    assert json.loads((run / "final" / "run.json").read_text())["federated"]["strategy"] == "FedProx (mu 1000)"
+    assert json.loads((run / "final" / "run.json").read_text())["federated"]["strategy"] == "FedProx (mu 300)"
 
 
 def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_store: Path) -> None:
@@ -280,6 +280,15 @@ def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_sto
 
     cfg = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--clients", "3", "--nodes", "2"])
     with pytest.raises(job_config.ConfigError, match="2 tasks for 3 clients.*--nodes 4 --ntasks-per-node 1"):
+        fl_train.check(cfg)
+
+
+def test_a_proximal_pull_past_the_global_model_is_refused(tiny_store: Path) -> None:
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import fl_train
+
+    cfg = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--lr", "0.01", "--proximal-mu", "200"])
+    with pytest.raises(job_config.ConfigError, match="--proximal-mu 200 with --lr 0.01.*--proximal-mu 100 or less"):
         fl_train.check(cfg)
 
 

@@ -66,7 +66,7 @@ class Config:
     """Seeds of FedAvg, FedProx and the client alone in the accuracy comparison."""
     epsilons: list[float] = dataclasses.field(default_factory=lambda: [8.0, 2.0])
     """Privacy budgets of the accuracy comparison (epsilon at delta 1e-5), on the first seed."""
-    proximal_mu: float = 0.01
+    proximal_mu: float = 10.0
     """FedProx's mu in the accuracy comparison."""
     accuracy_bf16: bool = True
     """Add FedAvg with bf16 updates to the accuracy comparison, on the first seed."""
