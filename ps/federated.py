@@ -420,4 +420,4 @@ def train_locally(
             if anchor:
                 with torch.no_grad():
                     for p, a in zip(model.parameters(), anchor):
-                        p.lerp_(a, min(lr * proximal_mu, 1.0))
+                        p.lerp_(a, lr * proximal_mu)  # at most 1: fl_train's check refuses more
