@@ -58,7 +58,7 @@ from clipforge.models.builders import architecture
 from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
-from clipforge.ps import certs, privacy
+from clipforge.ps import certs, dpsgd, privacy
 from clipforge.ps.federated import FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
 from clipforge.rundir import RunDir
@@ -171,7 +171,12 @@ def check(cfg: Config) -> None:
     if len(train) < cfg.clients:
         raise config.ConfigError(f"split {cfg.data.train_split!r} has {len(train)} clips for {cfg.clients} clients")
     size = cfg.data.crop or store.params["height"]
-    architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
+    arch = architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
+    if cfg.dp.sample_noise_multiplier > 0 and (why := dpsgd.problem(arch.build(seed=0))):
+        raise config.ConfigError(
+            f"--dp.sample-noise-multiplier with --model.name {cfg.model.name}: Opacus cannot train it with DP-SGD "
+            f"({why}); choose a videovit model"
+        )
     if cfg.certs is not None and not (cfg.certs / certs.CA_CERT).exists():
         raise config.ConfigError(
             f"--certs {cfg.certs}: no {certs.CA_CERT} there; make the keys with clipforge fl certs"
@@ -213,6 +218,8 @@ def plan(cfg: Config) -> FederatedPlan:
         dp_noise_multiplier=noise_multiplier(cfg),
         dp_clipping_norm=cfg.dp.clipping_norm,
         dp_delta=cfg.dp.delta,
+        dp_sgd_noise_multiplier=cfg.dp.sample_noise_multiplier,
+        dp_sgd_clipping_norm=cfg.dp.sample_clipping_norm,
         proximal_mu=cfg.proximal_mu,
         round_timeout_s=cfg.round_timeout_s,
         transport=cfg.transport,
@@ -272,7 +279,7 @@ def main(cfg: Config) -> dict | None:
                 nodes.append(
                     SuperNode(
                         i, certs.client_key(cfg.keys, i), cfg.keys / certs.CA_CERT, address, node_config(cfg, i),
-                        free_port(), work,
+                        None, work,
                     )
                 )  # fmt: skip
             for node in nodes:
@@ -374,7 +381,7 @@ def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None
         raise FlowerError(f"client {index}: the server task did not start its SuperLink within 600 s; see its log")
     node = SuperNode(
         index, certs.client_key(cfg.keys, index), cfg.keys / certs.CA_CERT, address, node_config(cfg, index),
-        free_port(), work,
+        None, work,
     )  # fmt: skip
     finished = None
     try:

@@ -31,7 +31,8 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
 
-from . import privacy
+from . import dpsgd, privacy
+from .transport import encode, half_transport
 from .worker import Augment, partition
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class FederatedPlan:
     """Each client's update (its weights minus the global ones) is clipped to this L2 norm."""
     dp_delta: float = 1e-5
     """The delta at which the accountant states epsilon."""
+    dp_sgd_noise_multiplier: float = 0.0
+    """Sample-level differential privacy: DP-SGD on every client through Opacus (0: off)."""
+    dp_sgd_clipping_norm: float = 1.0
+    """DP-SGD clips each clip's gradient to this L2 norm."""
     proximal_mu: float = 0.0
     """FedProx's mu: the weight of each client's proximal term (0: FedAvg)."""
     round_timeout_s: float = 600.0
@@ -112,6 +117,14 @@ def serve(grid, context) -> None:
     keys = list(model.state_dict())
     eval_set = ClipDataset(store, plan.eval_split)
     started = time.time()
+    reported: dict[str, float] = {}
+
+    def clients_epsilon(results: list[tuple[int, dict]]) -> dict:
+        """DP-SGD: the largest sample-level epsilon the round's clients report (each one's own, over its clips)."""
+        spent = [float(m["sample_epsilon"]) for _, m in results if "sample_epsilon" in m]
+        if spent:
+            reported["sample_epsilon"] = max(spent)
+        return dict(reported)
 
     def after_round(server_round: int, arrays: list[np.ndarray], config: dict) -> tuple[float, dict] | None:
         if server_round == 0:
@@ -125,6 +138,8 @@ def serve(grid, context) -> None:
         if plan.dp_noise_multiplier > 0:
             row["epsilon"] = privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, finished, plan.dp_delta)
             row["delta"] = plan.dp_delta
+        if "sample_epsilon" in reported:
+            row.update(sample_epsilon=reported["sample_epsilon"], delta=plan.dp_delta)
         run.append_metrics({**row, "seconds": time.time() - started})
         print(
             f"round {finished}/{plan.rounds}: {plan.eval_split} loss {metrics['loss']:.4f}, "
@@ -146,6 +161,7 @@ def serve(grid, context) -> None:
             initial_parameters=ndarrays_to_parameters([v.numpy() for v in model.state_dict().values()]),
             evaluate_fn=after_round,
             on_fit_config_fn=lambda server_round: round_config(plan, store, done + server_round),
+            fit_metrics_aggregation_fn=clients_epsilon,
         )
         if plan.transport != "fp32":
             strategy = half_transport(strategy)
@@ -164,7 +180,8 @@ def serve(grid, context) -> None:
     model.load_state_dict(state)
     metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
     record = RunRecord.of_run(plan.model, plan.overrides, store, plan.crop, metrics, rounds, dist_env())
-    record.federated = summary(plan, rounds)
+    spent = [row["sample_epsilon"] for row in run.metrics("round") if "sample_epsilon" in row]
+    record.federated = summary(plan, rounds, spent[-1] if spent else None)
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
@@ -188,74 +205,13 @@ def round_config(plan: FederatedPlan, store: ClipStore, round_index: int) -> dic
         "seed": plan.seed,
         "proximal_mu": plan.proximal_mu,
         "transport": plan.transport,
+        "dp_sgd_noise": plan.dp_sgd_noise_multiplier,
+        "dp_sgd_clip": plan.dp_sgd_clipping_norm,
+        "dp_delta": plan.dp_delta,
     }
 
 
-def encode(weights: np.ndarray, start: np.ndarray, transport: str) -> np.ndarray:
-    """A client's update to one array for a half-precision transport: its change from the round's global weights,
-    rounded by torch to bf16 (sent as the raw 16 bits, which numpy has no type for) or fp16. Integer arrays go
-    as they are."""
-    if not np.issubdtype(weights.dtype, np.floating):
-        return weights
-    change = torch.from_numpy(np.asarray(weights, dtype=np.float32) - np.asarray(start, dtype=np.float32))
-    if transport == "bf16":
-        return change.to(torch.bfloat16).view(torch.int16).numpy()
-    return change.to(torch.float16).numpy()
-
-
-def decode(sent: np.ndarray, start: np.ndarray, transport: str) -> np.ndarray:
-    """The fp32 weights a half-precision update stands for: the round's global weights plus the change."""
-    if not np.issubdtype(start.dtype, np.floating):
-        return sent
-    if transport == "bf16":
-        change = torch.from_numpy(np.ascontiguousarray(sent)).view(torch.bfloat16).float().numpy()
-    else:
-        change = sent.astype(np.float32)
-    return (start.astype(np.float32) + change).astype(start.dtype)
-
-
-def half_transport(inner):
-    """A Flower strategy around ``inner``: clients send their updates in bf16 or fp16 (half the bytes up), and it
-    turns them back into fp32 weights before ``inner`` averages them.
-
-    Flower's strategies average the weights they are given and none takes a compressed update, so this wrapper
-    does the decoding and passes every other call through.
-    """
-    from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.server.strategy import Strategy
-
-    class HalfTransport(Strategy):
-        def __init__(self) -> None:
-            self.start: list[np.ndarray] = []
-
-        def initialize_parameters(self, client_manager):
-            return inner.initialize_parameters(client_manager)
-
-        def configure_fit(self, server_round, parameters, client_manager):
-            self.start = parameters_to_ndarrays(parameters)
-            return inner.configure_fit(server_round, parameters, client_manager)
-
-        def aggregate_fit(self, server_round, results, failures):
-            for _, res in results:
-                transport = str(res.metrics.get("transport", "fp32"))
-                if transport != "fp32":
-                    sent = parameters_to_ndarrays(res.parameters)
-                    res.parameters = ndarrays_to_parameters([decode(a, g, transport) for a, g in zip(sent, self.start)])
-            return inner.aggregate_fit(server_round, results, failures)
-
-        def configure_evaluate(self, server_round, parameters, client_manager):
-            return inner.configure_evaluate(server_round, parameters, client_manager)
-
-        def aggregate_evaluate(self, server_round, results, failures):
-            return inner.aggregate_evaluate(server_round, results, failures)
-
-        def evaluate(self, server_round, parameters):
-            return inner.evaluate(server_round, parameters)
-
-    return HalfTransport()
-
-
-def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
+def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = None) -> dict[str, Any]:
     """The run record's account of the federation: engine, rounds, clients, aggregation and privacy."""
     out: dict[str, Any] = {
         "engine": "flower",
@@ -275,6 +231,15 @@ def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
             "delta": plan.dp_delta,
             "epsilon": privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, rounds, plan.dp_delta),
             "accountant": "RDP (dp-accounting), Poisson sampling at the client fraction",
+        }
+    if plan.dp_sgd_noise_multiplier > 0:
+        out["sample_differential_privacy"] = {
+            "level": "clip, on every client (DP-SGD through Opacus)",
+            "noise_multiplier": plan.dp_sgd_noise_multiplier,
+            "clipping_norm": plan.dp_sgd_clipping_norm,
+            "delta": plan.dp_delta,
+            "epsilon": sample_epsilon,
+            "accountant": "RDP (Opacus), Poisson-sampled batches; the largest client's, as if it took every round",
         }
     return out
 
@@ -360,15 +325,21 @@ class _Client:
         model.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in zip(model.state_dict(), parameters)})
         crop = int(config["crop"]) or None
         augment = Augment(crop, bool(config["flip"]), int(config["seed"]) * 1009 + self.index)
-        train_locally(
+        sample_dp = None
+        if float(config.get("dp_sgd_noise", 0.0)) > 0:
+            sample_dp = dpsgd.SampleDP(
+                float(config["dp_sgd_noise"]), float(config["dp_sgd_clip"]), float(config["dp_delta"])
+            )
+        metrics = train_locally(
             model, self.dataset, self.share, int(config["epochs"]), float(config["lr"]), int(config["batch"]),
-            int(config["round"]), augment, float(config.get("proximal_mu", 0.0)),
+            int(config["round"]), augment, float(config.get("proximal_mu", 0.0)), sample_dp,
         )  # fmt: skip
         weights = [v.detach().numpy() for v in model.state_dict().values()]
         transport = str(config.get("transport", "fp32"))
         if transport == "fp32":
-            return weights, len(self.share), {}
-        return [encode(w, g, transport) for w, g in zip(weights, parameters)], len(self.share), {"transport": transport}
+            return weights, len(self.share), metrics
+        sent = [encode(w, g, transport) for w, g in zip(weights, parameters)]
+        return sent, len(self.share), {**metrics, "transport": transport}
 
 
 def client(context):
@@ -394,8 +365,12 @@ def train_locally(
     round_index: int,
     augment: Augment,
     proximal_mu: float = 0.0,
-) -> None:
+    sample_dp: dpsgd.SampleDP | None = None,
+) -> dict[str, float]:
     """``epochs`` passes over ``share`` with a fresh AdamW (FedAvg clients keep no state between rounds).
+
+    With ``sample_dp``, AdamW steps are DP-SGD's (:mod:`dpsgd`): each on a Poisson sample of the share, and the
+    sample-level epsilon the client has spent after this round (``round_index``, from 1) comes back.
 
     With ``proximal_mu`` (FedProx) each client minimises its loss + mu/2 x |w - w_global|^2, w_global the weights the
     round began with. The proximal term's gradient is applied the way AdamW applies weight decay, decoupled from the
@@ -407,17 +382,34 @@ def train_locally(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     rng = np.random.default_rng([augment.seed, round_index])
+    private = None
+    if sample_dp:
+        private = dpsgd.PrivateSteps(model, optimizer, len(share), batch, sample_dp, (augment.seed, round_index))
+        optimizer = private.optimizer
+    net = private.module if private else model
+    empty = torch.zeros((0, *dataset[int(share[0])][0].shape), dtype=torch.uint8)
     model.train()
     for epoch in range(epochs):
-        order = share[rng.permutation(len(share))]
-        for start in range(0, len(order), batch):
-            items = [dataset[int(i)] for i in order[start : start + batch]]
-            clips, labels = torch.stack([c for c, _ in items]), torch.tensor([y for _, y in items])
+        if private:
+            batches = (share[drawn] for drawn in private.batches())
+        else:
+            order = share[rng.permutation(len(share))]
+            batches = (order[start : start + batch] for start in range(0, len(order), batch))
+        for k, chosen in enumerate(batches):
+            items = [dataset[int(i)] for i in chosen]
+            clips = torch.stack([c for c, _ in items]) if items else empty  # a Poisson sample can be empty
+            labels = torch.tensor([y for _, y in items], dtype=torch.int64)
             optimizer.zero_grad()
-            step = (round_index * epochs + epoch) * len(order) + start
-            F.cross_entropy(model(augment(clips, step)), labels).backward()
+            step = (round_index * epochs + epoch) * len(share) + k * batch
+            logits = net(augment(clips, step))
+            (F.cross_entropy(logits, labels) if items else logits.sum()).backward()
             optimizer.step()
             if anchor:
                 with torch.no_grad():
                     for p, a in zip(model.parameters(), anchor):
                         p.lerp_(a, lr * proximal_mu)  # at most 1: fl_train's check refuses more
+    if not private:
+        return {}
+    private.close()
+    steps = round_index * epochs * private.steps_per_epoch
+    return {"sample_epsilon": dpsgd.epsilon(sample_dp.noise_multiplier, private.sample_rate, steps, sample_dp.delta)}

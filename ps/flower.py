@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from clipforge.base.errors import UserError
+from clipforge.hpc.distenv import free_port
 
 from . import certs
 
@@ -72,6 +73,12 @@ class Process:
         with open(self.log, "ab") as out:
             # In the job's process group: whatever ends the job (Slurm, a SIGKILL of the group) ends them too.
             self.process = subprocess.Popen(argv, env=environment(home), stdout=out, stderr=subprocess.STDOUT)
+
+    def port_taken(self) -> bool:
+        """Whether this start ended because its port was already bound."""
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            return b"address already in use" in f.read()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (Flower's programs stop the ones they started), SIGKILL if it lingers."""
@@ -169,13 +176,32 @@ class SuperNode(Process):
     """A client: trusts the federation's CA, signs in with its own key, trains on its own data."""
 
     def __init__(
-        self, index: int, key: Path, ca: Path, superlink: str, node_config: dict[str, object], port: int, work: Path
+        self,
+        index: int,
+        key: Path,
+        ca: Path,
+        superlink: str,
+        node_config: dict[str, object],
+        port: int | None,
+        work: Path,
     ) -> None:
+        """``port``: its runtime API's; None: a free one, drawn again if another process binds it first."""
         config = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
         argv = [str(BIN / "flower-supernode"), "--superlink", superlink, "--root-certificates", str(ca)]
-        argv += ["--auth-supernode-private-key", str(key), "--node-config", config, "--port", str(port)]
-        argv += ["--max-retries", "3", "--max-wait-time", "60"]
-        super().__init__(f"supernode-{index}", argv, Path(work) / f"supernode-{index}-home", Path(work) / "logs")
+        argv += ["--auth-supernode-private-key", str(key), "--node-config", config]
+        self.argv = [*argv, "--max-retries", "3", "--max-wait-time", "60"]
+        self.folders = Path(work) / f"supernode-{index}-home", Path(work) / "logs"
+        self.any_port, self.port = port is None, port or free_port()
+        super().__init__(f"supernode-{index}", [*self.argv, "--port", str(self.port)], *self.folders)
 
     def wait_ready(self, timeout_s: float = 120) -> None:
-        wait_for_line(self.log, r"SuperNode ID: \d+", timeout_s, self.process, self.since)
+        for attempt in range(3):
+            try:
+                wait_for_line(self.log, r"SuperNode ID: \d+", timeout_s, self.process, self.since)
+                return
+            except FlowerError:
+                # A port free when drawn can be bound by another process before the SuperNode binds it.
+                if not self.any_port or attempt == 2 or self.process.poll() is None or not self.port_taken():
+                    raise
+            self.port = free_port()
+            super().__init__(self.name, [*self.argv, "--port", str(self.port)], *self.folders)

@@ -27,11 +27,19 @@ class DPSettings:
     target_epsilon: float | None = None
     """Privacy budget. With --dp.noise-multiplier, the federation stops after the last round whose epsilon stays
     within it, and says so; alone, the noise is the least that spends it over --rounds."""
+    sample_noise_multiplier: float = 0.0
+    """Sample-level differential privacy, on top of or instead of the client level: every client trains with
+    DP-SGD through Opacus, adding Gaussian noise of this many --dp.sample-clipping-norm to each step's clipped
+    per-clip gradients (0: off). Each client's epsilon at --dp.delta is in the round metrics and run record."""
+    sample_clipping_norm: float = 1.0
+    """L2 norm each clip's gradient is clipped to in DP-SGD."""
 
     def problem(self) -> str | None:
         """What is wrong with these settings, in one line (None: nothing)."""
         if self.noise_multiplier < 0 or self.clipping_norm <= 0 or not 0 < self.delta < 1:
             return "--dp.noise-multiplier must be 0 or more, --dp.clipping-norm positive, --dp.delta in (0, 1)"
+        if self.sample_noise_multiplier < 0 or self.sample_clipping_norm <= 0:
+            return "--dp.sample-noise-multiplier must be 0 or more and --dp.sample-clipping-norm positive"
         if self.target_epsilon is not None and self.target_epsilon <= 0:
             return f"--dp.target-epsilon {self.target_epsilon}: give a positive budget"
         return None

@@ -101,7 +101,7 @@ def _federation(fed: dict[str, Any] | None) -> list[str]:
         f"{fed.get('aggregation', 'in the clear')}.",
         "",
     ]
-    dp = fed.get("differential_privacy")
+    dp, sample = fed.get("differential_privacy"), fed.get("sample_differential_privacy")
     if dp:
         lines += [
             f"Client-level differential privacy: ({dp['epsilon']:.3g}, {dp['delta']:g})-DP, from noise multiplier "
@@ -109,7 +109,16 @@ def _federation(fed: dict[str, Any] | None) -> list[str]:
             f"({dp.get('accountant', 'RDP accountant')}).",
             "",
         ]
-    else:
+    if sample:
+        eps = sample["epsilon"]
+        spent = "epsilon not reported" if eps is None else f"({eps:.3g}, {sample['delta']:g})-DP"
+        lines += [
+            f"Sample-level differential privacy (DP-SGD on every client): {spent} for each clip, from noise "
+            f"multiplier {sample['noise_multiplier']:g} on per-clip gradients clipped to L2 norm "
+            f"{sample['clipping_norm']:g} ({sample.get('accountant', 'RDP accountant')}).",
+            "",
+        ]
+    if not dp and not sample:
         lines += ["No differential privacy: the weights carry no formal privacy guarantee.", ""]
     return lines
 

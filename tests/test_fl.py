@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from clipforge.hpc.distenv import free_port
@@ -82,6 +83,7 @@ def one_round_started(tiny_store: Path, tmp_path_factory) -> tuple[Path, dict, F
         "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
         "fedprox": ["--proximal-mu", "300"],
         "bf16": ["--transport", "bf16"],
+        "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
         # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
         # then; the timeout only bounds a survivor's training stage, which under this load can take a minute.
         "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "120"],
@@ -180,13 +182,13 @@ def test_only_registered_supernodes_that_trust_the_federations_ca_join(tmp_path:
         superlink.register(certs.client_public_key(keys, 0))
         config = {"store": "unused", "partition-id": 0}
         known = SuperNode(
-            0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+            0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, None, tmp_path
         )
         unknown = SuperNode(
-            1, certs.client_key(keys, 1), keys / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+            1, certs.client_key(keys, 1), keys / certs.CA_CERT, superlink.address, config, None, tmp_path
         )
         stranger = SuperNode(
-            2, certs.client_key(keys, 0), other / certs.CA_CERT, superlink.address, config, free_port(), tmp_path
+            2, certs.client_key(keys, 0), other / certs.CA_CERT, superlink.address, config, None, tmp_path
         )
         nodes = [known, unknown, stranger]
         known.wait_ready()
@@ -306,7 +308,7 @@ def test_bf16_transport_gives_fedavgs_round_within_its_rounding(resumed, one_rou
 
 @pytest.mark.parametrize("transport", ["bf16", "fp16"])
 def test_a_half_precision_update_decodes_to_the_weights_within_its_rounding(transport: str) -> None:
-    from clipforge.ps.federated import decode, encode
+    from clipforge.ps.transport import decode, encode
 
     g = np.random.default_rng(0)
     start = g.standard_normal(10_000).astype(np.float32)
@@ -316,3 +318,55 @@ def test_a_half_precision_update_decodes_to_the_weights_within_its_rounding(tran
     back = decode(sent, start, transport)
     unit = 2**-8 if transport == "bf16" else 2**-11
     assert back.dtype == np.float32 and np.all(np.abs(back - weights) <= unit * np.abs(weights - start) + 1e-6)
+
+
+def test_dp_sgd_on_the_clients_reports_the_accountants_epsilon_for_each_clients_clips(
+    tiny_store: Path, resumed, one_round
+) -> None:
+    from clipforge.preprocess.reader import ClipDataset
+    from clipforge.ps import dpsgd
+    from clipforge.ps.worker import partition
+
+    run = one_round["dpsgd"]
+    row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
+    # Each client samples each of its clips with probability batch / clips, for one epoch of 1 / that many steps.
+    shares = partition(ClipDataset(ClipStore.open(tiny_store), "train").labels, 2, "iid", 0)
+    rates = [4 / len(share) for share in shares]
+    expected = max(dpsgd.epsilon(1.0, q, int(1 / q), 1e-5) for q in rates)
+    assert row["sample_epsilon"] == pytest.approx(expected, rel=1e-9) and 0 < expected < float("inf")
+    record = json.loads((run / "final" / "run.json").read_text())["federated"]["sample_differential_privacy"]
+    assert record["epsilon"] == row["sample_epsilon"] and record["noise_multiplier"] == 1.0
+    # The clients' noised steps moved the model, and elsewhere than FedAvg's clean round.
+    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+    private = load_file(str(run / "final" / "model.safetensors"))
+    clear = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))
+    assert all(not torch.equal(private[k], start[k]) and not torch.equal(private[k], clear[k]) for k in start)
+
+
+@pytest.mark.parametrize("pool", ["mean", "cls"])
+def test_opacus_per_clip_gradients_of_videovit_are_autograds_for_each_clip_alone(pool: str) -> None:
+    from opacus import GradSampleModule
+
+    from clipforge.ps import dpsgd
+
+    dpsgd.register_videovit()
+    torch.manual_seed(0)
+    model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8), pool=pool)
+    clips, labels = torch.randint(0, 255, (3, 8, 32, 32, 3), dtype=torch.uint8), torch.tensor([0, 4, 5])
+    loss = F.cross_entropy(GradSampleModule(model, strict=False, loss_reduction="sum")(clips), labels, reduction="sum")
+    loss.backward()
+    per_clip = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    for i in range(3):
+        model.zero_grad()
+        F.cross_entropy(model(clips[i : i + 1]), labels[i : i + 1]).backward()
+        for n, p in model.named_parameters():
+            assert torch.allclose(per_clip[n][i], p.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_dp_sgd_with_a_batchnorm_model_is_refused_in_one_line(tiny_store: Path) -> None:
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import fl_train
+
+    argv = ["--data.store", str(tiny_store), "--model.name", "r2plus1d_18", "--dp.sample-noise-multiplier", "1"]
+    with pytest.raises(job_config.ConfigError, match="Opacus cannot train it with DP-SGD .BatchNorm.*videovit"):
+        fl_train.check(fl_train.parse(argv))

@@ -5,8 +5,8 @@
 
 Packs a small motion corpus, then for each client count runs whole federations
 (``jobs/fl_train.py``: a SuperLink with TLS, one authenticated SuperNode per
-client, all on this host) with plain FedAvg, FedAvg with bf16 updates, SecAgg+
-and client-level DP. (The RPC federated averaging that ``ps_train.py --algorithm
+client, all on this host) with plain FedAvg, FedAvg with bf16 updates, SecAgg+,
+client-level DP and DP-SGD on the clients (Opacus). (The RPC federated averaging that ``ps_train.py --algorithm
 fedavg`` ran before was measured beside them before it went; the README keeps
 those figures.) The sides alternate, each repeat in the
 opposite order. A round's time is the time between two consecutive rounds'
@@ -225,6 +225,7 @@ def timing(cfg: Config, work: Path) -> None:
         "Flower FedAvg bf16": lambda k, run: flower(store, run, k, cfg.rounds, "--transport", "bf16"),
         "Flower SecAgg+": lambda k, run: flower(store, run, k, cfg.rounds, "--secagg"),
         "Flower DP (z=1)": lambda k, run: flower(store, run, k, cfg.rounds, "--dp.noise-multiplier", "1.0"),
+        "Flower DP-SGD (z=1)": lambda k, run: flower(store, run, k, cfg.rounds, "--dp.sample-noise-multiplier", "1"),
     }
     timed: dict[int, dict[str, list[dict]]] = {}
     for k in cfg.clients:
@@ -243,7 +244,7 @@ def timing(cfg: Config, work: Path) -> None:
         "the server's evaluation\n"
     )
     print(
-        f"{'clients':>7}  {'side':<19} {'s/round':>8} {'vs FedAvg':>16} {'MiB/round':>10} {'vs floor':>9}"
+        f"{'clients':>7}  {'side':<20} {'s/round':>8} {'vs FedAvg':>16} {'MiB/round':>10} {'vs floor':>9}"
         f" {'vs FedAvg':>16}"
     )
     for k, by_side in timed.items():
@@ -253,9 +254,10 @@ def timing(cfg: Config, work: Path) -> None:
             vs_s = spread([r["s"] / f["s"] for r, f in zip(runs, base)]) if name != "Flower FedAvg" else ""
             b = statistics.median(r["bytes"] for r in runs)
             vs_b = spread([r["bytes"] / f["bytes"] for r, f in zip(runs, base)]) if name != "Flower FedAvg" else ""
-            print(f"{k:>7}  {name:<19} {s:8.2f} {vs_s:>16} {b / 2**20:10.2f} {b / (2 * k * floor):8.2f}x {vs_b:>16}")
+            print(f"{k:>7}  {name:<20} {s:8.2f} {vs_s:>16} {b / 2**20:10.2f} {b / (2 * k * floor):8.2f}x {vs_b:>16}")
     print(f"\nfloor: the fp32 weights down and up once per client a round ({2 * floor / 2**20:.2f} MiB a client)")
     print("goal: SecAgg+ and DP within 2x of FedAvg's round; bf16 about 0.75x of its bytes (half of the upload)")
+    print("DP-SGD's round costs what Opacus's per-clip gradients cost the clients' training, at the same bytes")
 
 
 def accuracy(cfg: Config, work: Path) -> None:
