@@ -21,9 +21,10 @@ FedProx over several seeds (the seed sets the model's start, the partition
 and the shuffling), beside client 0 trained alone on its own share for as many
 epochs, and, on the first seed, FedAvg with bf16 updates and with the noise
 that spends epsilon 8 and 2. Video top-1 on the validation videos is noisy at
-this size, so each run is scored by the mean of its last four rounds' top-1
-as well as its final one, and FedProx against FedAvg by the median of their
-paired differences over the seeds.
+this size, so the accuracy corpus holds more validation videos than training
+ones (78 against 42 by default), each run is scored by the mean of its last
+four rounds' top-1 as well as its final one, and FedProx against FedAvg by the
+median of their paired differences over the seeds.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class Config:
     """FedProx's mu in the accuracy comparison."""
     accuracy_bf16: bool = True
     """Add FedAvg with bf16 updates to the accuracy comparison, on the first seed."""
+    accuracy_videos_per_class: int = 20
+    """Videos of each motion class in the accuracy comparison's corpus."""
+    accuracy_train_share: float = 0.35
+    """The share of them the clients train on; the rest are the validation videos (the defaults: 7 training
+    videos a class, 42 in all, and 78 validation videos, so one video is 0.013 of top-1)."""
 
 
 ACCURACY_MODEL = ["--model.name", "videovit-tiny", "--model.depth", "4", "--model.tubelet", "4", "16", "16"]
@@ -201,13 +207,24 @@ def alone(store: Path, epochs: int, seed: int) -> dict:
     return {"top1": scores[-1], "last4": mean(scores[-4:])}
 
 
-def pack(work: Path, folder: str = "store", frames: int = 8, size: int = 32, stride: int = 1) -> Path:
-    if not (work / "videos").exists():
-        synthetic.make_corpus(work / "videos", videos_per_class=10, frames=(48, 64), seed=2)
-    argv = [*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(work / "videos")]
+def pack(
+    work: Path,
+    folder: str = "store",
+    frames: int = 8,
+    size: int = 32,
+    stride: int = 1,
+    videos_per_class: int = 10,
+    train_share: float = 0.7,
+) -> Path:
+    """A store of the motion corpus (``videos_per_class`` of each class), ``train_share`` of it training videos
+    and the rest validation videos."""
+    videos = work / f"videos-{videos_per_class}"
+    if not videos.exists():
+        synthetic.make_corpus(videos, videos_per_class=videos_per_class, frames=(48, 64), seed=2)
+    argv = [*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(videos)]
     argv += ["--out", str(work / folder), "--clip-frames", str(frames), "--frame-stride", str(stride)]
     argv += ["--height", str(size), "--width", str(size)]
-    argv += ["--split.train", "0.7", "--split.val", "0.3", "--split.test", "0"]
+    argv += ["--split.train", str(train_share), "--split.val", f"{1 - train_share:g}", "--split.test", "0"]
     subprocess.run(argv, check=True, capture_output=True)
     return work / folder
 
@@ -265,7 +282,7 @@ def accuracy(cfg: Config, work: Path) -> None:
     from clipforge.preprocess.reader import ClipDataset
 
     n, e = cfg.accuracy_rounds, cfg.accuracy_epochs
-    clips = pack(work, "accuracy-store", frames=16, size=64, stride=2)
+    clips = pack(work, "accuracy-store", 16, 64, 2, cfg.accuracy_videos_per_class, cfg.accuracy_train_share)
     videos = len(set(ClipDataset(clips, "val").video_ids.tolist()))
     shares = ["--shares", "by_class", "--local-epochs", str(e), *ACCURACY_TRAINING]
     print(
