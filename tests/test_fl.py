@@ -181,9 +181,7 @@ def test_only_registered_supernodes_that_trust_the_federations_ca_join(tmp_path:
     try:
         superlink.register(certs.client_public_key(keys, 0))
         config = {"store": "unused", "partition-id": 0}
-        known = SuperNode(
-            0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, None, tmp_path
-        )
+        known = SuperNode(0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, None, tmp_path)
         unknown = SuperNode(
             1, certs.client_key(keys, 1), keys / certs.CA_CERT, superlink.address, config, None, tmp_path
         )
