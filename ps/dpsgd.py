@@ -13,6 +13,7 @@ for a client that was not always sampled.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Iterator
 
 import numpy as np
@@ -40,7 +41,7 @@ class PrivateSteps:
     """``model``'s optimizer made private, and the Poisson-sampled batches of ``clips`` clips it steps on."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clips: int, batch: int, dp: SampleDP, seed
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clips: int, batch: int, dp: SampleDP
     ) -> None:
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
@@ -52,7 +53,9 @@ class PrivateSteps:
         # refuses BatchNorm.
         self.module = GradSampleModule(model, strict=False)
         self.sample_rate = min(1.0, batch / clips)
-        generator = torch.Generator().manual_seed(hash(seed) % (2**63))
+        # The noise and the Poisson sampling must be secret from the server, which knows the run's seed, or it
+        # could draw the same noise and subtract it: a seed from the OS each round, never from the config.
+        generator = torch.Generator().manual_seed(secrets.randbits(63))
         self.optimizer = DPOptimizer(
             optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.clipping_norm,
             expected_batch_size=batch, generator=generator,

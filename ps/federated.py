@@ -384,7 +384,7 @@ def train_locally(
     rng = np.random.default_rng([augment.seed, round_index])
     private = None
     if sample_dp:
-        private = dpsgd.PrivateSteps(model, optimizer, len(share), batch, sample_dp, (augment.seed, round_index))
+        private = dpsgd.PrivateSteps(model, optimizer, len(share), batch, sample_dp)
         optimizer = private.optimizer
     net = private.module if private else model
     empty = torch.zeros((0, *dataset[int(share[0])][0].shape), dtype=torch.uint8)
