@@ -103,8 +103,7 @@ def test_a_job_array_is_one_sbatch_with_one_task_per_argument(slurm) -> None:
 
 def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    # Requeued at step 4 of 16: six seconds of margin before the job would finish on its own.
-    flags = options(cluster="dev", ntasks_per_node=2, wait=False, steps=16, step_seconds=0.5, state_dir=state)
+    flags = options(cluster="dev", ntasks_per_node=2, wait=False, steps=30, step_seconds=0.5, state_dir=state)
     job = run_script(SELFTEST, flags)
     before = _wait_for_step(state / "state.json", 4)
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
@@ -113,7 +112,7 @@ def test_scontrol_requeue_resumes_a_running_job_from_its_saved_state(slurm, tmp_
     for r in results:
         assert r["restart_count"] == 1, _job_log(job)
         assert r["start_step"] >= before["step"]
-        assert r["final_step"] == 16
+        assert r["final_step"] == 30
 
 
 def test_a_job_script_inside_salloc_runs_in_the_foreground(slurm) -> None:
