@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,6 +49,8 @@ class PrivateSteps:
         from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
         register_videovit()
+        # Opacus's hooks fire on the first layer, whose input (uint8 clips) needs no gradient; torch warns each time.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
         # strict=False: Opacus refuses any layer that holds buffers, for BatchNorm's running statistics; videovit's
         # embedding holds only constants (the pixel mean and std, a fixed position table). problem() still
         # refuses BatchNorm.

@@ -387,7 +387,8 @@ def train_locally(
         private = dpsgd.PrivateSteps(model, optimizer, len(share), batch, sample_dp)
         optimizer = private.optimizer
     net = private.module if private else model
-    empty = torch.zeros((0, *dataset[int(share[0])][0].shape), dtype=torch.uint8)
+    if private:  # a Poisson sample can be empty: a batch of no clips, of the augmented clips' shape
+        empty = augment(dataset[int(share[0])][0][None], 0)[:0]
     model.train()
     for epoch in range(epochs):
         if private:
@@ -397,11 +398,10 @@ def train_locally(
             batches = (order[start : start + batch] for start in range(0, len(order), batch))
         for k, chosen in enumerate(batches):
             items = [dataset[int(i)] for i in chosen]
-            clips = torch.stack([c for c, _ in items]) if items else empty  # a Poisson sample can be empty
             labels = torch.tensor([y for _, y in items], dtype=torch.int64)
             optimizer.zero_grad()
             step = (round_index * epochs + epoch) * len(share) + k * batch
-            logits = net(augment(clips, step))
+            logits = net(augment(torch.stack([c for c, _ in items]), step) if items else empty)
             (F.cross_entropy(logits, labels) if items else logits.sum()).backward()
             optimizer.step()
             if anchor:

@@ -341,6 +341,23 @@ def test_dp_sgd_on_the_clients_reports_the_accountants_epsilon_for_each_clients_
     assert all(not torch.equal(private[k], start[k]) and not torch.equal(private[k], clear[k]) for k in start)
 
 
+def test_dp_sgd_steps_on_poisson_samples_of_a_share_empty_ones_included(tiny_store: Path) -> None:
+    from clipforge.preprocess.reader import ClipDataset
+    from clipforge.ps import dpsgd
+    from clipforge.ps.federated import train_locally
+    from clipforge.ps.worker import Augment
+
+    dataset = ClipDataset(ClipStore.open(tiny_store), "train")
+    share = np.arange(30)
+    model = create_model("videovit-tiny", 6, 8, 32, depth=1, tubelet=(2, 8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    # Batch 1 of 30 clips: each step samples each clip with probability 1/30, so about a third of the 30 steps
+    # draw no clip at all, and still step (on noise alone).
+    spent = train_locally(model, dataset, share, 1, 1e-3, 1, 2, Augment(None, True, 0), 0.0, dpsgd.SampleDP(1, 1, 1e-5))
+    assert spent == {"sample_epsilon": dpsgd.epsilon(1.0, 1 / 30, 2 * 30, 1e-5)}  # as if it took rounds 1 and 2
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 @pytest.mark.parametrize("pool", ["mean", "cls"])
 def test_opacus_per_clip_gradients_of_videovit_are_autograds_for_each_clip_alone(pool: str) -> None:
     from opacus import GradSampleModule
