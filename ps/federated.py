@@ -122,6 +122,7 @@ def serve(grid, context) -> None:
     def clients_epsilon(results: list[tuple[int, dict]]) -> dict:
         """DP-SGD: the largest sample-level epsilon the round's clients report (each one's own, over its clips)."""
         spent = [float(m["sample_epsilon"]) for _, m in results if "sample_epsilon" in m]
+        reported.clear()  # this round's alone: a round whose clients report none gets no figure, not the last one
         if spent:
             reported["sample_epsilon"] = max(spent)
         return dict(reported)
