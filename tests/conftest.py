@@ -13,7 +13,7 @@ import pytest
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from .helpers import VENV_BIN, pack_argv
+from .helpers import VENV_BIN, EarlyFederations, pack_argv
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +148,23 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The federated tests last: their federations run from the start of the session (:func:`early_federations`)."""
+    items.sort(key=lambda item: item.path.name == "test_fl.py")  # a stable sort: the order is kept otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_federations(request, tmp_path_factory, torch_extensions_cache) -> EarlyFederations | None:
+    """The federated tests' federations, started with the session when any of those tests was collected."""
+    if not any({"one_round", "resumed"} & set(item.fixturenames) for item in request.session.items):
+        yield None
+        return
+    store = request.getfixturevalue("tiny_store")
+    federations = EarlyFederations(store, tmp_path_factory.mktemp("early-federations"))
+    yield federations
+    federations.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,3 +152,128 @@ def assert_same_store(a: Path, b: Path) -> None:
     """The same clips, labels and video paths, in index order, whatever ranks or shards wrote them."""
     left, right = clips_in_index_order(a), clips_in_index_order(b)
     assert np.array_equal(left[0], right[0]) and np.array_equal(left[1], right[1]) and left[2] == right[2]
+
+
+# -- Flower federations, started early ----------------------------------------------------
+
+FL_TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
+"""The federated job's tiny model and batch (its own flags: --batch, not --batch-per-rank)."""
+DP_SIGMA, DP_CLIP = 1e-6, 1e4
+"""Client-level DP of the early DP round: a clipping norm no update reaches, so the noise is all that differs."""
+ONE_ROUND = {
+    # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
+    # then; the timeout only bounds a survivor's training stage, which on a busy host can take minutes.
+    "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "300"],
+    "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
+    "fedprox": ["--proximal-mu", "300"],
+    "bf16": ["--transport", "bf16"],
+    "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
+}
+"""One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""
+
+
+def federation(store: Path, run: Path, *extra: str, clients: int = 2, wait: bool = True, log=subprocess.DEVNULL,
+               nice: int = 0, env: dict[str, str] | None = None):  # fmt: skip
+    """A local federation; without ``wait``, its process (in a session of its own, at ``nice``) writing to ``log``."""
+    argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
+    argv += ["--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
+    if not wait:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: os.nice(nice),
+        )
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass  # the thread ended
+    return [pid] + [p for c in children for p in process_tree(c)]
+
+
+def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 900) -> None:
+    """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
+    messages (its public keys, then its key shares): a device that drops out while it trains."""
+    log = run / "flower" / "logs" / f"supernode-{index}.log"
+    deadline = time.monotonic() + timeout_s
+    while not (log.exists() and log.read_text(errors="replace").count("Sent successfully") >= 2):
+        assert time.monotonic() < deadline, f"client {index} never answered"
+        time.sleep(0.2)
+    key = f"client-{index}.key"
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"flower-supernode") for a in argv[:2]) and any(a.endswith(key.encode()) for a in argv):
+            for pid in process_tree(int(proc.name)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+    raise AssertionError(f"no SuperNode process of client {index}")
+
+
+class EarlyFederations:
+    """The federated tests' federations, run beside the rest of the suite at the lowest CPU priority.
+
+    A federation on this host is mostly process start-up (Flower starts a process per message) and waiting: run
+    when the federated tests come, they took four minutes of both cores. Started with the session, they use the
+    CPU the Slurm tests leave idle while they wait on the cluster, and are done when their tests come (which
+    conftest puts last). At most ``at_once`` run together, so their memory stays small beside the suite's.
+    """
+
+    def __init__(self, store: Path, root: Path, at_once: int = 3) -> None:
+        self.store, self.root, self.running = store, root, {}
+        self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
+        pool = ThreadPoolExecutor(at_once)
+        self.done = {name: pool.submit(self._one_round, name, extra) for name, extra in ONE_ROUND.items()}
+        self.done["killed"] = pool.submit(self._killed_after_round_one)
+        pool.shutdown(wait=False)
+
+    def _start(self, name: str, *extra: str, clients: int = 2) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "w") as log:
+            self.running[name] = federation(self.store, self.root / name, *extra, clients=clients, wait=False,
+                                            log=log, nice=19, env=self.env)  # fmt: skip
+        return self.running[name]
+
+    def _one_round(self, name: str, extra: list[str]) -> Path:
+        process = self._start(name, "--rounds", "1", *extra, clients=4 if name == "secagg" else 2)
+        if name == "secagg":
+            kill_client_after_its_keys(self.root / name, 3)
+        assert process.wait(timeout=1800) == 0, (self.root / f"{name}.log").read_text()[-3000:]
+        return self.root / name
+
+    def _killed_after_round_one(self) -> Path:
+        """A federation of 2 clients over 2 rounds, killed (server, SuperNodes and run at once) after round 1."""
+        process, run = self._start("killed", "--rounds", "2"), self.root / "killed"
+        deadline = time.monotonic() + 1800
+        while not (run / "rounds" / "round-00001.safetensors").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return run
+
+    def one_round(self) -> dict[str, Path]:
+        """Each variant's run directory after its round, once all have ended well."""
+        return {name: self.done[name].result(timeout=1800) for name in ONE_ROUND}
+
+    def killed_after_round_one(self) -> Path:
+        return self.done["killed"].result(timeout=1800)
+
+    def stop(self) -> None:
+        for process in self.running.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,104 +20,23 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-DP_SIGMA, DP_CLIP = 1e-6, 1e4
-TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
-
-
-def federation(store: Path, run: Path, *extra: str, clients: int = 2, wait: bool = True, log=subprocess.DEVNULL):
-    """A local federation; without ``wait``, its process (in a session of its own) writing to ``log``."""
-    argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
-    argv += ["--executor", "debug", "--clients", str(clients), *TINY, *extra]
-    if not wait:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass  # the thread ended
-    return [pid] + [p for c in children for p in process_tree(c)]
-
-
-def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 300) -> None:
-    """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
-    messages (its public keys, then its key shares): a device that drops out while it trains."""
-    log = run / "flower" / "logs" / f"supernode-{index}.log"
-    deadline = time.monotonic() + timeout_s
-    while not (log.exists() and log.read_text(errors="replace").count("Sent successfully") >= 2):
-        assert time.monotonic() < deadline, f"client {index} never answered"
-        time.sleep(0.2)
-    key = f"client-{index}.key"
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"flower-supernode") for a in argv[:2]) and any(a.endswith(key.encode()) for a in argv):
-            for pid in process_tree(int(proc.name)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return
-    raise AssertionError(f"no SuperNode process of client {index}")
+from .helpers import DP_CLIP, DP_SIGMA
+from .helpers import FL_TINY as TINY
 
 
 @pytest.fixture(scope="module")
-def one_round_started(tiny_store: Path, tmp_path_factory) -> tuple[Path, dict, Future]:
-    """One round of each variant, the federations started at once (and before the resumed federation of
-    :func:`resumed`): each is mostly process start-up and waiting on its SuperLink, which overlap on the same
-    cores. SecAgg+ runs 4 clients and loses the last one mid-round."""
-    root = tmp_path_factory.mktemp("one-round")
-    # A clipping norm no update reaches, so the only difference from the round in the clear is the noise.
-    variants = {
-        "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
-        "fedprox": ["--proximal-mu", "300"],
-        "bf16": ["--transport", "bf16"],
-        "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
-        # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
-        # then; the timeout only bounds a survivor's training stage, which under this load can take a minute.
-        "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "120"],
-    }
-    running = {}
-    for name, extra in variants.items():
-        with open(root / f"{name}.log", "w") as log:
-            clients = 4 if name == "secagg" else 2
-            running[name] = federation(
-                tiny_store, root / name, "--rounds", "1", *extra, clients=clients, wait=False, log=log
-            )
-    killer = ThreadPoolExecutor(1).submit(kill_client_after_its_keys, root / "secagg", 3)
-    return root, running, killer
+def one_round(early_federations) -> dict[str, Path]:
+    """One round of each variant (helpers.ONE_ROUND), run while the rest of the suite ran."""
+    return early_federations.one_round()
 
 
 @pytest.fixture(scope="module")
-def one_round(one_round_started) -> dict[str, Path]:
-    root, running, killer = one_round_started
-    killer.result(timeout=600)
-    for name, process in running.items():
-        assert process.wait(timeout=600) == 0, (root / f"{name}.log").read_text()[-3000:]
-    return {name: root / name for name in running}
-
-
-@pytest.fixture(scope="module")
-def resumed(slurm, tiny_store: Path, tmp_path_factory, one_round_started) -> tuple[Path, list]:
-    """A federation of 2 clients over 2 rounds in one local task, killed after its first round, then started
-    again as a Slurm job of 3 tasks: the server's and one per client."""
+def resumed(slurm, tiny_store: Path, early_federations) -> tuple[Path, list]:
+    """A federation of 2 clients over 2 rounds in one local task, killed after its first round (while the rest of
+    the suite ran), then started again as a Slurm job of 3 tasks: the server's and one per client."""
     from clipforge.hpc.launch import run_script
 
-    run = tmp_path_factory.mktemp("federation") / "run"
-    first = federation(tiny_store, run, "--rounds", "2", wait=False)
-    deadline = time.monotonic() + 300
-    while not (run / "rounds" / "round-00001.safetensors").exists():
-        assert first.poll() is None and time.monotonic() < deadline, "the federation ended before its first round"
-        time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)  # the server, its SuperNodes and the run, all at once
-    first.wait()
+    run = early_federations.killed_after_round_one()
     where = ["--data.store", str(tiny_store), "--run-dir", str(run), "--clients", "2", "--rounds", "2", *TINY]
     return run, run_script("clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3",
                                                         *where])  # fmt: skip
