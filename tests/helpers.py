@@ -5,6 +5,7 @@ Fixtures live in conftest.py; these are plain functions and constants, imported 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -178,14 +179,13 @@ def federation(store: Path, run: Path, *extra: str, clients: int = 2, wait: bool
     argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
     argv += ["--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
     if not wait:
-        return subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=lambda: os.nice(nice),
-        )
+        process = subprocess.Popen(["nice", "-n", str(nice), *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)  # fmt: skip
+        # The kernel's autogroup scheduling makes a new session a group of its own, and nice ranks a process only
+        # within its group: the group's own nice (set once the child is in its session) ranks it beside the others.
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{process.pid}/autogroup").write_text(str(nice))
+        return process
     return subprocess.run(argv, capture_output=True, text=True, timeout=600)
 
 
