@@ -13,7 +13,8 @@ import pytest
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from .helpers import VENV_BIN, EarlyFederations, pack_argv
+from . import helpers
+from .helpers import VENV_BIN, Early, pack_argv
 
 
 @pytest.fixture(scope="session")
@@ -150,21 +151,31 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     )
 
 
+LATE = ("test_gpu_check.py", "test_fl.py")
+"""The modules whose work :func:`early` runs beside the others, last (the ZeRO runs' test_train comes late anyway)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The federated tests last: their federations run from the start of the session (:func:`early_federations`)."""
-    items.sort(key=lambda item: item.path.name == "test_fl.py")  # a stable sort: the order is kept otherwise
+    # A stable sort: the order is kept otherwise.
+    items.sort(key=lambda item: LATE.index(item.path.name) + 1 if item.path.name in LATE else 0)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def early_federations(request, tmp_path_factory, torch_extensions_cache) -> EarlyFederations | None:
-    """The federated tests' federations, started with the session when any of those tests was collected."""
-    if not any({"one_round", "resumed"} & set(item.fixturenames) for item in request.session.items):
-        yield None
-        return
-    store = request.getfixturevalue("tiny_store")
-    federations = EarlyFederations(store, tmp_path_factory.mktemp("early-federations"))
-    yield federations
-    federations.stop()
+def early(request, tmp_path_factory, torch_extensions_cache, mpiexec) -> Early:
+    """The collected tests' slow work that needs no cluster, started with the session (see helpers.Early)."""
+    needs = set().union(*(item.fixturenames for item in request.session.items))
+    work = Early(tmp_path_factory.mktemp("early"))
+    if "zero_runs" in needs:
+        work.start("zero-runs", helpers.zero_runs, mpiexec, request.getfixturevalue("tiny_store"))
+    if needs & {"one_round", "resumed"}:
+        store = request.getfixturevalue("tiny_store")
+        for name in helpers.ONE_ROUND:
+            work.start(name, helpers.one_round, store, name)
+        work.start("killed", helpers.killed_after_round_one, store)
+    if "device_check" in needs:
+        work.start("device-check", helpers.device_check)
+    yield work
+    work.stop()
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,22 @@ PS_TINY = [
 ]
 
 
+def train_argv(mpiexec, store: Path, run_dir: Path, *extra: str, ranks: int = 2, steps: int = 12) -> list[str]:
+    """The training job on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` flags win."""
+    argv = [
+        *mpiexec,
+        "-n",
+        str(ranks),
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        sys.executable,
+        "-m",
+        "clipforge.jobs.train",
+    ]
+    argv += ["--data.store", str(store), "--run-dir", str(run_dir), "--steps", str(steps)]
+    return [*argv, "--eval-every", "1000", "--checkpoint-every", "1000", *TINY, *extra]
+
+
 def train(
     mpiexec,
     store: Path,
@@ -94,33 +110,9 @@ def train(
     check: bool = True,
     wait: bool = True,
 ):
-    """The training job on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` flags win.
-
-    Returns the completed process (asserted to succeed unless ``check`` is False), or the running one
-    (in its own session, for os.killpg) when ``wait`` is False.
-    """
-    argv = [
-        *mpiexec,
-        "-n",
-        str(ranks),
-        "-x",
-        f"MASTER_PORT={free_port()}",
-        sys.executable,
-        "-m",
-        "clipforge.jobs.train",
-        "--data.store",
-        str(store),
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(steps),
-        "--eval-every",
-        "1000",
-        "--checkpoint-every",
-        "1000",
-        *TINY,
-        *extra,
-    ]
+    """:func:`train_argv` run; returns the completed process (asserted to succeed unless ``check`` is False), or
+    the running one (in its own session, for os.killpg) when ``wait`` is False."""
+    argv = train_argv(mpiexec, store, run_dir, *extra, ranks=ranks, steps=steps)
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -155,12 +147,73 @@ def assert_same_store(a: Path, b: Path) -> None:
     assert np.array_equal(left[0], right[0]) and np.array_equal(left[1], right[1]) and left[2] == right[2]
 
 
-# -- Flower federations, started early ----------------------------------------------------
+# -- work started early -------------------------------------------------------------------
+
+
+def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None, out: Path | None = None):
+    """``argv`` in a session of its own at the lowest CPU priority, its output in ``log`` (its standard output in
+    ``out`` if given).
+
+    The kernel's autogroup scheduling makes a new session a group of its own, and nice ranks a process only within
+    its group: the group's own nice (set once the child is in its session) ranks it beside the others.
+    """
+    with open(log, "w") as errors, open(out or os.devnull, "w") as output:
+        stdout = output if out else errors
+        process = subprocess.Popen(["nice", "-n", "19", *argv], stdout=stdout, stderr=errors, env=env,
+                                   start_new_session=True)  # fmt: skip
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{process.pid}/autogroup").write_text("19")
+    return process
+
+
+class Early:
+    """Work that tests check later, started with the session and run beside the suite at the lowest CPU priority.
+
+    Much of the suite waits on Slurm with the cores idle; work that needs no cluster (federations, which are
+    mostly process start-up, the device check, the ZeRO runs) uses that idle time instead of its own minutes.
+    At most ``at_once`` pieces run together, so their memory stays small beside the suite's. conftest starts what
+    the collected tests need and puts the tests that wait on it last.
+    """
+
+    def __init__(self, root: Path, at_once: int = 3) -> None:
+        self.root, self.running, self.done = root, [], {}
+        self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
+        self.pool = ThreadPoolExecutor(at_once)
+
+    def start(self, name: str, work, *args) -> None:
+        """Queue ``work(self, *args)``; :meth:`result` gives what it returns."""
+        self.done[name] = self.pool.submit(work, self, *args)
+
+    def process(self, name: str, argv: list[str], out: Path | None = None) -> subprocess.Popen:
+        """``argv`` started at low priority, its output in ``ROOT/NAME.log``; killed at the end of the session."""
+        self.running.append(low_priority(argv, self.root / f"{name}.log", self.env, out))
+        return self.running[-1]
+
+    def run(self, name: str, argv: list[str], timeout_s: float = 1800) -> subprocess.CompletedProcess:
+        """``argv`` run to its end at low priority; its exit code, standard output and standard error."""
+        out = self.root / f"{name}.out"
+        process = self.process(name, argv, out)
+        process.wait(timeout=timeout_s)
+        errors = (self.root / f"{name}.log").read_text(errors="replace")
+        return subprocess.CompletedProcess(argv, process.returncode, out.read_text(errors="replace"), errors)
+
+    def result(self, name: str, timeout_s: float = 1800):
+        return self.done[name].result(timeout=timeout_s)
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in self.running:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+# -- Flower federations --------------------------------------------------------------------
 
 FL_TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
 """The federated job's tiny model and batch (its own flags: --batch, not --batch-per-rank)."""
 DP_SIGMA, DP_CLIP = 1e-6, 1e4
-"""Client-level DP of the early DP round: a clipping norm no update reaches, so the noise is all that differs."""
+"""Client-level DP of the DP round: a clipping norm no update reaches, so the noise is all that differs."""
 ONE_ROUND = {
     # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
     # then; the timeout only bounds a survivor's training stage, which on a busy host can take minutes.
@@ -173,20 +226,10 @@ ONE_ROUND = {
 """One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""
 
 
-def federation(store: Path, run: Path, *extra: str, clients: int = 2, wait: bool = True, log=subprocess.DEVNULL,
-               nice: int = 0, env: dict[str, str] | None = None):  # fmt: skip
-    """A local federation; without ``wait``, its process (in a session of its own, at ``nice``) writing to ``log``."""
+def federation_argv(store: Path, run: Path, *extra: str, clients: int = 2) -> list[str]:
+    """A local federation of ``clients`` with the tiny model."""
     argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
-    argv += ["--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
-    if not wait:
-        process = subprocess.Popen(["nice", "-n", str(nice), *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)  # fmt: skip
-        # The kernel's autogroup scheduling makes a new session a group of its own, and nice ranks a process only
-        # within its group: the group's own nice (set once the child is in its session) ranks it beside the others.
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{process.pid}/autogroup").write_text(str(nice))
-        return process
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return [*argv, "--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
 
 
 def process_tree(pid: int) -> list[int]:
@@ -200,7 +243,7 @@ def process_tree(pid: int) -> list[int]:
     return [pid] + [p for c in children for p in process_tree(c)]
 
 
-def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 900) -> None:
+def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 1800) -> None:
     """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
     messages (its public keys, then its key shares): a device that drops out while it trains."""
     log = run / "flower" / "logs" / f"supernode-{index}.log"
@@ -224,56 +267,53 @@ def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 900) ->
     raise AssertionError(f"no SuperNode process of client {index}")
 
 
-class EarlyFederations:
-    """The federated tests' federations, run beside the rest of the suite at the lowest CPU priority.
+def one_round(early: Early, store: Path, name: str) -> Path:
+    """One round of the ``name`` variant of :data:`ONE_ROUND`; its run directory once it ended well."""
+    clients = 4 if name == "secagg" else 2
+    result = early.process(name, federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name],
+                                                 clients=clients))  # fmt: skip
+    if name == "secagg":
+        kill_client_after_its_keys(early.root / name, 3)
+    assert result.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
+    return early.root / name
 
-    A federation on this host is mostly process start-up (Flower starts a process per message) and waiting: run
-    when the federated tests come, they took four minutes of both cores. Started with the session, they use the
-    CPU the Slurm tests leave idle while they wait on the cluster, and are done when their tests come (which
-    conftest puts last). At most ``at_once`` run together, so their memory stays small beside the suite's.
-    """
 
-    def __init__(self, store: Path, root: Path, at_once: int = 3) -> None:
-        self.store, self.root, self.running = store, root, {}
-        self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
-        pool = ThreadPoolExecutor(at_once)
-        self.done = {name: pool.submit(self._one_round, name, extra) for name, extra in ONE_ROUND.items()}
-        self.done["killed"] = pool.submit(self._killed_after_round_one)
-        pool.shutdown(wait=False)
+def killed_after_round_one(early: Early, store: Path) -> Path:
+    """A federation of 2 clients over 2 rounds, killed (server, SuperNodes and run at once) after round 1."""
+    run = early.root / "killed"
+    process = early.process("killed", federation_argv(store, run, "--rounds", "2"))
+    deadline = time.monotonic() + 1800
+    while not (run / "rounds" / "round-00001.safetensors").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return run
 
-    def _start(self, name: str, *extra: str, clients: int = 2) -> subprocess.Popen:
-        with open(self.root / f"{name}.log", "w") as log:
-            self.running[name] = federation(self.store, self.root / name, *extra, clients=clients, wait=False,
-                                            log=log, nice=19, env=self.env)  # fmt: skip
-        return self.running[name]
 
-    def _one_round(self, name: str, extra: list[str]) -> Path:
-        process = self._start(name, "--rounds", "1", *extra, clients=4 if name == "secagg" else 2)
-        if name == "secagg":
-            kill_client_after_its_keys(self.root / name, 3)
-        assert process.wait(timeout=1800) == 0, (self.root / f"{name}.log").read_text()[-3000:]
-        return self.root / name
+# -- the ZeRO runs and the device check ----------------------------------------------------
 
-    def _killed_after_round_one(self) -> Path:
-        """A federation of 2 clients over 2 rounds, killed (server, SuperNodes and run at once) after round 1."""
-        process, run = self._start("killed", "--rounds", "2"), self.root / "killed"
-        deadline = time.monotonic() + 1800
-        while not (run / "rounds" / "round-00001.safetensors").exists():
-            assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"
-            time.sleep(0.2)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        return run
+LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
+"""The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
+the other training runs shuffle globally."""
 
-    def one_round(self) -> dict[str, Path]:
-        """Each variant's run directory after its round, once all have ended well."""
-        return {name: self.done[name].result(timeout=1800) for name in ONE_ROUND}
 
-    def killed_after_round_one(self) -> Path:
-        return self.done["killed"].result(timeout=1800)
+def zero_runs(early: Early, mpiexec: list[str], store: Path) -> dict[int, Path]:
+    """The tiny run for 12 steps at each ZeRO stage, one after another; their run directories."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[stage] = early.root / f"zero{stage}"
+        argv = train_argv(mpiexec, store, runs[stage], "--parallel.zero-stage", str(stage), *LOCAL)
+        result = early.run(f"zero{stage}", argv)
+        assert result.returncode == 0, result.stderr[-4000:]
+    return runs
 
-    def stop(self) -> None:
-        for process in self.running.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+
+def device_check(early: Early) -> tuple[subprocess.CompletedProcess, Path]:
+    """The prepared device check (jobs/gpu_check.py) on CPUs at a small size; its process and its table."""
+    script = Path(__file__).resolve().parents[1] / "jobs" / "gpu_check.py"
+    small = ["--model", "videovit-tiny", "--depth", "2", "--tubelet", "2", "8", "8", "--frames", "8", "--size", "32"]
+    small += ["--crop", "24", "--steps", "6", "--batch", "2", "--workers", "0", "--work", str(early.root / "check")]
+    small += ["--stages", "0", "3"]  # stage 2 runs in the deterministic kill-and-resume check
+    table = early.root / "check.md"
+    return early.run("device-check", [sys.executable, str(script), *small, "--out", str(table)]), table

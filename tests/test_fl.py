@@ -20,23 +20,23 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .helpers import DP_CLIP, DP_SIGMA
+from .helpers import DP_CLIP, DP_SIGMA, ONE_ROUND
 from .helpers import FL_TINY as TINY
 
 
 @pytest.fixture(scope="module")
-def one_round(early_federations) -> dict[str, Path]:
+def one_round(early) -> dict[str, Path]:
     """One round of each variant (helpers.ONE_ROUND), run while the rest of the suite ran."""
-    return early_federations.one_round()
+    return {name: early.result(name) for name in ONE_ROUND}
 
 
 @pytest.fixture(scope="module")
-def resumed(slurm, tiny_store: Path, early_federations) -> tuple[Path, list]:
+def resumed(slurm, tiny_store: Path, early) -> tuple[Path, list]:
     """A federation of 2 clients over 2 rounds in one local task, killed after its first round (while the rest of
     the suite ran), then started again as a Slurm job of 3 tasks: the server's and one per client."""
     from clipforge.hpc.launch import run_script
 
-    run = early_federations.killed_after_round_one()
+    run = early.result("killed")
     where = ["--data.store", str(tiny_store), "--run-dir", str(run), "--clients", "2", "--rounds", "2", *TINY]
     return run, run_script("clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3",
                                                         *where])  # fmt: skip

@@ -25,20 +25,13 @@ from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 
-from .helpers import TINY, TINY_TRAINING, losses, train
-
-# The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
-# the other runs shuffle globally.
-LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
+from .helpers import LOCAL, TINY, TINY_TRAINING, losses, train
 
 
 @pytest.fixture(scope="module")
-def zero_runs(mpiexec, tiny_store: Path, tmp_path_factory) -> dict[int, Path]:
-    runs = {}
-    for stage in (0, 1, 2, 3):
-        runs[stage] = tmp_path_factory.mktemp(f"zero{stage}")
-        train(mpiexec, tiny_store, runs[stage], "--parallel.zero-stage", str(stage), *LOCAL)
-    return runs
+def zero_runs(early) -> dict[int, Path]:
+    """The tiny run at each ZeRO stage (helpers.zero_runs), run while the rest of the suite ran."""
+    return early.result("zero-runs")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
