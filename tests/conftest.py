@@ -151,8 +151,8 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     )
 
 
-LATE = ("test_gpu_check.py", "test_fl.py")
-"""The modules whose work :func:`early` runs beside the others, last (the ZeRO runs' test_train comes late anyway)."""
+LATE = ("test_fl.py",)
+"""The modules whose work :func:`early` runs beside the others, last."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -161,19 +161,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def early(request, tmp_path_factory, torch_extensions_cache, mpiexec) -> Early:
+def early(request, tmp_path_factory, torch_extensions_cache) -> Early:
     """The collected tests' slow work that needs no cluster, started with the session (see helpers.Early)."""
     needs = set().union(*(item.fixturenames for item in request.session.items))
     work = Early(tmp_path_factory.mktemp("early"))
-    if "zero_runs" in needs:
-        work.start("zero-runs", helpers.zero_runs, mpiexec, request.getfixturevalue("tiny_store"))
     if needs & {"one_round", "resumed"}:
         store = request.getfixturevalue("tiny_store")
         for name in helpers.ONE_ROUND:
             work.start(name, helpers.one_round, store, name)
         work.start("killed", helpers.killed_after_round_one, store)
-    if "device_check" in needs:
-        work.start("device-check", helpers.device_check)
     yield work
     work.stop()
 

@@ -169,10 +169,14 @@ def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None, 
 class Early:
     """Work that tests check later, started with the session and run beside the suite at the lowest CPU priority.
 
-    Much of the suite waits on Slurm with the cores idle; work that needs no cluster (federations, which are
-    mostly process start-up, the device check, the ZeRO runs) uses that idle time instead of its own minutes.
-    At most ``at_once`` pieces run together, so their memory stays small beside the suite's. conftest starts what
-    the collected tests need and puts the tests that wait on it last.
+    Much of the suite waits on Slurm with the cores idle; work that needs no cluster uses that idle time instead
+    of its own minutes. At most ``at_once`` pieces run together, so their memory stays small beside the suite's.
+    conftest starts what the collected tests need and puts the tests that wait on it last.
+
+    Only the Flower federations run so: they are mostly process start-up (Flower starts a process per message).
+    Work that loads DeepSpeed's compiled op must not: loading it takes a file lock in the extensions folder, and
+    a starved low-priority holder of that lock stalled the suite's own DeepSpeed runs (the suite took 28 minutes
+    instead of 19 with the ZeRO runs and the device check started early).
     """
 
     def __init__(self, root: Path, at_once: int = 3) -> None:
@@ -204,7 +208,9 @@ class Early:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for process in self.running:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
 
@@ -243,6 +249,13 @@ def process_tree(pid: int) -> list[int]:
     return [pid] + [p for c in children for p in process_tree(c)]
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, all found before the first is killed."""
+    for each in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
 def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 1800) -> None:
     """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
     messages (its public keys, then its key shares): a device that drops out while it trains."""
@@ -258,11 +271,7 @@ def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 1800) -
         except OSError:
             continue
         if any(a.endswith(b"flower-supernode") for a in argv[:2]) and any(a.endswith(key.encode()) for a in argv):
-            for pid in process_tree(int(proc.name)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(int(proc.name))
             return
     raise AssertionError(f"no SuperNode process of client {index}")
 
@@ -286,34 +295,11 @@ def killed_after_round_one(early: Early, store: Path) -> Path:
     while not (run / "rounds" / "round-00001.safetensors").exists():
         assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"
         time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
+    kill_tree(process.pid)  # its group, and the ServerApp its SuperLink started in a session of its own
     process.wait()
     return run
 
 
-# -- the ZeRO runs and the device check ----------------------------------------------------
-
 LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
 """The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
 the other training runs shuffle globally."""
-
-
-def zero_runs(early: Early, mpiexec: list[str], store: Path) -> dict[int, Path]:
-    """The tiny run for 12 steps at each ZeRO stage, one after another; their run directories."""
-    runs = {}
-    for stage in (0, 1, 2, 3):
-        runs[stage] = early.root / f"zero{stage}"
-        argv = train_argv(mpiexec, store, runs[stage], "--parallel.zero-stage", str(stage), *LOCAL)
-        result = early.run(f"zero{stage}", argv)
-        assert result.returncode == 0, result.stderr[-4000:]
-    return runs
-
-
-def device_check(early: Early) -> tuple[subprocess.CompletedProcess, Path]:
-    """The prepared device check (jobs/gpu_check.py) on CPUs at a small size; its process and its table."""
-    script = Path(__file__).resolve().parents[1] / "jobs" / "gpu_check.py"
-    small = ["--model", "videovit-tiny", "--depth", "2", "--tubelet", "2", "8", "8", "--frames", "8", "--size", "32"]
-    small += ["--crop", "24", "--steps", "6", "--batch", "2", "--workers", "0", "--work", str(early.root / "check")]
-    small += ["--stages", "0", "3"]  # stage 2 runs in the deterministic kill-and-resume check
-    table = early.root / "check.md"
-    return early.run("device-check", [sys.executable, str(script), *small, "--out", str(table)]), table

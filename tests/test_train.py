@@ -29,9 +29,12 @@ from .helpers import LOCAL, TINY, TINY_TRAINING, losses, train
 
 
 @pytest.fixture(scope="module")
-def zero_runs(early) -> dict[int, Path]:
-    """The tiny run at each ZeRO stage (helpers.zero_runs), run while the rest of the suite ran."""
-    return early.result("zero-runs")
+def zero_runs(mpiexec, tiny_store: Path, tmp_path_factory) -> dict[int, Path]:
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[stage] = tmp_path_factory.mktemp(f"zero{stage}")
+        train(mpiexec, tiny_store, runs[stage], "--parallel.zero-stage", str(stage), *LOCAL)
+    return runs
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
