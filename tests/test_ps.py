@@ -63,15 +63,13 @@ def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(
     tiny_store: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    finish(
-        start(tiny_store, run, 1, 2, "--trainer.steps", "40", "--server.optimizer", "adamw", "--server.lr", "0.001"),
-        run,
-    )
+    every_step = ["--trainer.steps", "40", "--trainer.log-every", "1"]
+    finish(start(tiny_store, run, 1, 2, *every_step, "--server.optimizer", "adamw", "--server.lr", "0.001"), run)
     losses = [r["loss"] for r in rows(run, "train")]
-    # Halves, not the first and last two rows: the two trainers' rows interleave as the server's timing falls,
-    # and one tiny batch's loss swings by half its value (a run ended 1.86, 0.97 after starting 1.49, 1.31).
+    # Halves of 40 rows, not of 8: the two trainers' rows interleave as the server's timing falls,
+    # and one tiny batch's loss swings by half its value (halves of 4 rows each once ended 1.59 after 1.47).
     half = len(losses) // 2
-    assert half >= 2 and np.mean(losses[half:]) < np.mean(losses[:half]), losses
+    assert half >= 15 and np.mean(losses[half:]) < np.mean(losses[:half]), losses
     summary = rows(run, "ps")[0]
     assert (
         summary["mode"] == "async"
