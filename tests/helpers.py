@@ -150,16 +150,14 @@ def assert_same_store(a: Path, b: Path) -> None:
 # -- work started early -------------------------------------------------------------------
 
 
-def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None, out: Path | None = None):
-    """``argv`` in a session of its own at the lowest CPU priority, its output in ``log`` (its standard output in
-    ``out`` if given).
+def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``argv`` in a session of its own at the lowest CPU priority, its output in ``log``.
 
     The kernel's autogroup scheduling makes a new session a group of its own, and nice ranks a process only within
     its group: the group's own nice (set once the child is in its session) ranks it beside the others.
     """
-    with open(log, "w") as errors, open(out or os.devnull, "w") as output:
-        stdout = output if out else errors
-        process = subprocess.Popen(["nice", "-n", "19", *argv], stdout=stdout, stderr=errors, env=env,
+    with open(log, "w") as out:
+        process = subprocess.Popen(["nice", "-n", "19", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)  # fmt: skip
     with contextlib.suppress(OSError):
         Path(f"/proc/{process.pid}/autogroup").write_text("19")
@@ -188,18 +186,10 @@ class Early:
         """Queue ``work(self, *args)``; :meth:`result` gives what it returns."""
         self.done[name] = self.pool.submit(work, self, *args)
 
-    def process(self, name: str, argv: list[str], out: Path | None = None) -> subprocess.Popen:
+    def process(self, name: str, argv: list[str]) -> subprocess.Popen:
         """``argv`` started at low priority, its output in ``ROOT/NAME.log``; killed at the end of the session."""
-        self.running.append(low_priority(argv, self.root / f"{name}.log", self.env, out))
+        self.running.append(low_priority(argv, self.root / f"{name}.log", self.env))
         return self.running[-1]
-
-    def run(self, name: str, argv: list[str], timeout_s: float = 1800) -> subprocess.CompletedProcess:
-        """``argv`` run to its end at low priority; its exit code, standard output and standard error."""
-        out = self.root / f"{name}.out"
-        process = self.process(name, argv, out)
-        process.wait(timeout=timeout_s)
-        errors = (self.root / f"{name}.log").read_text(errors="replace")
-        return subprocess.CompletedProcess(argv, process.returncode, out.read_text(errors="replace"), errors)
 
     def result(self, name: str, timeout_s: float = 1800):
         return self.done[name].result(timeout=timeout_s)
