@@ -151,17 +151,13 @@ def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     )
 
 
-LATE = ("test_fl.py",)
-"""The modules whose work :func:`early` runs beside the others, last."""
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # A stable sort: the order is kept otherwise.
-    items.sort(key=lambda item: LATE.index(item.path.name) + 1 if item.path.name in LATE else 0)
+    """The federated tests last: their federations run beside the rest of the suite (:func:`early`)."""
+    items.sort(key=lambda item: item.path.name == "test_fl.py")  # a stable sort: the order is kept otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)
-def early(request, tmp_path_factory, torch_extensions_cache) -> Early:
+def early(request, tmp_path_factory) -> Early:
     """The collected tests' slow work that needs no cluster, started with the session (see helpers.Early)."""
     needs = set().union(*(item.fixturenames for item in request.session.items))
     work = Early(tmp_path_factory.mktemp("early"))

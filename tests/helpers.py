@@ -84,22 +84,6 @@ PS_TINY = [
 ]
 
 
-def train_argv(mpiexec, store: Path, run_dir: Path, *extra: str, ranks: int = 2, steps: int = 12) -> list[str]:
-    """The training job on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` flags win."""
-    argv = [
-        *mpiexec,
-        "-n",
-        str(ranks),
-        "-x",
-        f"MASTER_PORT={free_port()}",
-        sys.executable,
-        "-m",
-        "clipforge.jobs.train",
-    ]
-    argv += ["--data.store", str(store), "--run-dir", str(run_dir), "--steps", str(steps)]
-    return [*argv, "--eval-every", "1000", "--checkpoint-every", "1000", *TINY, *extra]
-
-
 def train(
     mpiexec,
     store: Path,
@@ -110,9 +94,33 @@ def train(
     check: bool = True,
     wait: bool = True,
 ):
-    """:func:`train_argv` run; returns the completed process (asserted to succeed unless ``check`` is False), or
-    the running one (in its own session, for os.killpg) when ``wait`` is False."""
-    argv = train_argv(mpiexec, store, run_dir, *extra, ranks=ranks, steps=steps)
+    """The training job on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` flags win.
+
+    Returns the completed process (asserted to succeed unless ``check`` is False), or the running one
+    (in its own session, for os.killpg) when ``wait`` is False.
+    """
+    argv = [
+        *mpiexec,
+        "-n",
+        str(ranks),
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        sys.executable,
+        "-m",
+        "clipforge.jobs.train",
+        "--data.store",
+        str(store),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "1000",
+        "--checkpoint-every",
+        "1000",
+        *TINY,
+        *extra,
+    ]
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -269,11 +277,11 @@ def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 1800) -
 def one_round(early: Early, store: Path, name: str) -> Path:
     """One round of the ``name`` variant of :data:`ONE_ROUND`; its run directory once it ended well."""
     clients = 4 if name == "secagg" else 2
-    result = early.process(name, federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name],
-                                                 clients=clients))  # fmt: skip
+    argv = federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name], clients=clients)
+    process = early.process(name, argv)
     if name == "secagg":
         kill_client_after_its_keys(early.root / name, 3)
-    assert result.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
+    assert process.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
     return early.root / name
 
 
@@ -288,8 +296,3 @@ def killed_after_round_one(early: Early, store: Path) -> Path:
     kill_tree(process.pid)  # its group, and the ServerApp its SuperLink started in a session of its own
     process.wait()
     return run
-
-
-LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
-"""The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
-the other training runs shuffle globally."""
