@@ -142,6 +142,29 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows(run_dir, "train")}
 
 
+def training_clips_loss(store: Path, weights: Path) -> tuple[float, float]:
+    """Cross-entropy of the tiny model on the store's training clips: at its seed-0 start, and with ``weights``.
+
+    What a short run says about learning: its logged curve says less over a few steps (shards read in turn hold
+    few classes, and a step's loss rises with a batch of classes not seen yet).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from clipforge.models.builders import architecture, load_weights
+    from clipforge.preprocess.reader import ClipDataset
+
+    dataset = ClipDataset(ClipStore.open(store), "train")
+    clips = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(len(dataset))])
+    labels = torch.as_tensor([int(dataset[i][1]) for i in range(len(dataset))])
+    arch = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
+    start, trained = arch.build(seed=0).eval(), arch.build(seed=0).eval()
+    load_weights(trained, weights)
+    with torch.no_grad():
+        before, after = (F.cross_entropy(m(clips), labels).item() for m in (start, trained))
+    return before, after
+
+
 def clips_in_index_order(store: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Clips, labels and video paths, read in index order (by video, then clip)."""
     s = ClipStore.open(store)

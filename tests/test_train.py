@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from clipforge.base.errors import UserError
 from clipforge.hpc.lock import LOCK_NAME
@@ -23,7 +22,6 @@ from clipforge.models.evaluation import evaluate_model
 from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
-from clipforge.preprocess.store import ClipStore
 
 from .helpers import TINY, TINY_TRAINING, losses, train
 
@@ -43,33 +41,13 @@ def zero_runs(mpiexec, tiny_store: Path, tmp_path_factory) -> dict[int, Path]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_zero_stage_trains_and_writes_its_run(zero_runs, stage: int) -> None:
-    # 12 steps are too few for the loss to fall reliably: the next test trains longer.
+    # 12 steps are too few for the loss to fall reliably: the 40-step runs of test_multinode.py check that.
     curve = losses(zero_runs[stage])
     assert sorted(curve) == list(range(1, 13)) and all(np.isfinite(v) for v in curve.values())
     run = zero_runs[stage]
     assert (run / "final" / "model.safetensors").exists() and (run / "config.yaml").exists()
     assert (run / "plots" / "curves.png").exists() and (run / "plots" / "confusion.png").exists()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-
-
-def test_forty_steps_of_zero_lower_the_loss_on_the_training_clips(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
-    """The tiny run learns: its final weights fit the training clips better than the weights it started from.
-
-    Its logged curve says less over a few steps: shards read in turn hold few classes, and a step's loss rises
-    with a batch of classes not seen yet (12 steps ended above their start on some packings of the store).
-    """
-    train(mpiexec, tiny_store, tmp_path / "run", "--parallel.zero-stage", "2", *LOCAL, steps=40)
-    curve = losses(tmp_path / "run")
-    assert np.mean([curve[s] for s in range(36, 41)]) < np.mean([curve[s] for s in range(1, 6)]), curve
-    dataset = ClipDataset(ClipStore.open(tiny_store), "train")
-    clips = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(len(dataset))])
-    labels = torch.as_tensor([int(dataset[i][1]) for i in range(len(dataset))])
-    arch = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
-    start, trained = arch.build(seed=0).eval(), arch.build(seed=0).eval()
-    load_weights(trained, tmp_path / "run" / "final" / "model.safetensors")
-    with torch.no_grad():
-        before, after = (F.cross_entropy(m(clips), labels).item() for m in (start, trained))
-    assert after < 0.9 * before, (before, after)  # 1.82 -> 1.39-1.51 on four packings of the store
 
 
 def test_the_four_zero_stages_give_the_same_losses_at_fp32(zero_runs) -> None:
