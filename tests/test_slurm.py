@@ -35,7 +35,7 @@ def _wait_for_step(state: Path, at_least: int, timeout: float = 120) -> dict:
                 return data
         except (FileNotFoundError, ValueError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"{state} never reached step {at_least}")
 
 
