@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -212,6 +213,24 @@ class Early:
         self.root, self.running, self.done = root, [], {}
         self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
         self.pool = ThreadPoolExecutor(at_once)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._keep_low, daemon=True).start()
+
+    def _keep_low(self) -> None:
+        """Give every session the work starts its group's lowest priority as well, as soon as it appears.
+
+        Flower's SuperLink starts its SuperExec, and so each ServerApp, in a session of its own: a new autogroup
+        at the default priority, which would take a core from the suite's own tests.
+        """
+        lowered: set[int] = set()
+        while not self.stopped.wait(0.5):
+            for process in list(self.running):
+                for pid in process_tree(process.pid) if process.poll() is None else []:
+                    with contextlib.suppress(OSError):
+                        session = os.getsid(pid)
+                        if session not in lowered:
+                            Path(f"/proc/{pid}/autogroup").write_text("19")
+                            lowered.add(session)
 
     def start(self, name: str, work, *args) -> None:
         """Queue ``work(self, *args)``; :meth:`result` gives what it returns."""
@@ -226,6 +245,7 @@ class Early:
         return self.done[name].result(timeout=timeout_s)
 
     def stop(self) -> None:
+        self.stopped.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for process in self.running:
             if process.poll() is None:
