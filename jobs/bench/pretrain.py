@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Benchmark of masked-autoencoder pretraining: its speed beside fine-tuning, and what it buys with few labels.
 
-    python jobs/bench/pretrain.py [--repeats 3] [--pretrain-steps 300] [--fine-tune-steps 120] [--label-share 0.1]
+    python jobs/bench/pretrain.py [--repeats 3] [--fine-tune-seeds 3] [--pretrain-steps 300] [--fine-tune-steps 120]
+                                  [--label-share 0.1] [--no-norm-pixels]
 
 Makes a motion corpus of six classes and packs it twice from one split: every
 training video (the unlabelled pool pretraining reads, labels ignored) and a
 ``--label-share`` of them per class (the labels fine-tuning gets), with the same
-validation videos. Each repeat pretrains the encoder on the pool, then fine-tunes
-it and trains the same model from scratch on the labelled share, the two in
-alternating order, and reads video top-1 on the validation videos. It prints:
+validation videos. Each repeat pretrains the encoder on the pool with its own
+seed; each pretraining is fine-tuned on the labelled share with every fine-tuning
+seed, and the same model is trained from scratch once per fine-tuning seed, the
+sides in alternating order; video top-1 is read on the validation videos. The
+differences are paired by fine-tuning seed, so a pretraining's effect is told
+apart from the luck of one fine-tuning. It prints:
 
 - pretraining clips/s beside fine-tuning clips/s of the same encoder at the same
   batch (the encoder of a masked autoencoder sees 1 - mask ratio of the tokens);
-- video top-1 of fine-tuning from the pretraining and of training from scratch,
-  and their paired differences.
+- video top-1 of fine-tuning from each pretraining and of training from scratch,
+  and their paired differences, per pretraining and over all pairs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class Config:
     """Pretraining throughput beside fine-tuning, and fine-tuning with few labels from it against from scratch."""
 
     repeats: int = 3
-    """Pretrain, fine-tune and from-scratch runs per side, seeds 0 ... repeats-1, alternating the order."""
+    """Pretrainings, seeds 0 ... repeats-1."""
+    fine_tune_seeds: int = 3
+    """Fine-tuning seeds 0 ... N-1: each pretraining is fine-tuned with each, and from scratch is trained with each."""
     pretrain_steps: int = 300
     """Pretraining steps (batch 8)."""
     fine_tune_steps: int = 120
@@ -51,6 +57,9 @@ class Config:
     """The share of the training videos whose labels fine-tuning sees (at least one per class)."""
     videos_per_class: int = 30
     """Videos of each of the six motion classes."""
+    norm_pixels: bool = True
+    """Pretraining's loss on each tubelet's pixels normalised by its own mean and deviation (VideoMAE's);
+    ``--no-norm-pixels``: on the pixels as they are."""
 
 
 def pack(manifest: Path, out: Path) -> Path:
@@ -98,6 +107,7 @@ def spread(values: list[float]) -> str:
 
 
 def main(cfg: Config) -> None:
+    pixels = "--mae.norm-pixels" if cfg.norm_pixels else "--mae.no-norm-pixels"
     with tempfile.TemporaryDirectory(prefix="clipforge-bench-pretrain-") as tmp:
         work = Path(tmp)
         synthetic.make_corpus(work / "videos", videos_per_class=cfg.videos_per_class, frames=(48, 64), seed=3)
@@ -105,32 +115,33 @@ def main(cfg: Config) -> None:
         pool, labelled = pack(pool_csv, work / "pool"), pack(labelled_csv, work / "labelled")
         n_pool = sum(1 for line in pool_csv.read_text().splitlines() if line.endswith(",train"))
         n_labelled = sum(1 for line in labelled_csv.read_text().splitlines() if line.endswith(",train"))
-        rows = []
-        for seed in range(cfg.repeats):
-            mae = work / f"mae-{seed}"
-            pre = train(pool, mae, cfg.pretrain_steps, seed, *MODEL, "--objective", "mae", "--optim.lr", "1.5e-3")
-            print(f"  seed {seed}: pretraining {pre['clips_per_s']:.1f} clips/s", file=sys.stderr, flush=True)
-            sides = {
-                "fine-tuned": ["--model.weights", str(mae), "--model.drop-path", "0.1"],
-                "from scratch": [*MODEL, "--model.drop-path", "0.1"],
-            }
-            order = list(sides) if seed % 2 == 0 else list(reversed(sides))
-            got = {}
-            for side in order:
-                got[side] = train(labelled, work / f"{side}-{seed}".replace(" ", "-"), cfg.fine_tune_steps, seed,
-                                  *sides[side], "--optim.lr", "1e-3")  # fmt: skip
-                print(f"  seed {seed}: {side} video top-1 {got[side]['video_top1']:.3f}", file=sys.stderr, flush=True)
-            rows.append({"pretrain": pre, **got})
+        pretrained, tuned, scratch = {}, {}, {}
+        for p in range(cfg.repeats):
+            mae = work / f"mae-{p}"
+            objective = ["--objective", "mae", "--optim.lr", "1.5e-3", pixels]
+            pretrained[p] = train(pool, mae, cfg.pretrain_steps, p, *MODEL, *objective)
+            print(f"  pretraining {p}: {pretrained[p]['clips_per_s']:.1f} clips/s", file=sys.stderr, flush=True)
+            for f in range(cfg.fine_tune_seeds):
+                sides = {"fine-tuned": ["--model.weights", str(mae)]}
+                if f not in scratch:
+                    sides["from scratch"] = MODEL
+                for side in list(sides) if (p + f) % 2 == 0 else list(reversed(sides)):
+                    got = train(labelled, work / f"{side}-{p}-{f}".replace(" ", "-"), cfg.fine_tune_steps, f,
+                                *sides[side], "--model.drop-path", "0.1", "--optim.lr", "1e-3")  # fmt: skip
+                    (tuned.setdefault(p, {}) if side == "fine-tuned" else scratch)[f] = got
+                    print(f"  pretraining {p}, seed {f}: {side} video top-1 {got['video_top1']:.3f}", file=sys.stderr,
+                          flush=True)  # fmt: skip
 
-    ratio = [r["pretrain"]["clips_per_s"] / r["fine-tuned"]["clips_per_s"] for r in rows]
-    gain = [r["fine-tuned"]["video_top1"] - r["from scratch"]["video_top1"] for r in rows]
+    ratio = [pretrained[p]["clips_per_s"] / statistics.median(r["clips_per_s"] for r in tuned[p].values())
+             for p in pretrained]  # fmt: skip
     print(
         f"\nvideovit-tiny depth 4, 8x32x32 clips in 2x8x8 tubelets (64 tokens), batch 8, 1 process; "
-        f"{cfg.repeats} seeds, fine-tuning and from scratch alternating\n"
+        f"{cfg.repeats} pretrainings of {cfg.pretrain_steps} steps ({'normalised' if cfg.norm_pixels else 'raw'} "
+        f"pixels), each fine-tuned with {cfg.fine_tune_seeds} seeds; fine-tuning and from scratch alternating\n"
     )
     print(f"{'run':<34} {'clips/s':>8} {'vs fine-tuning':>15} {'min-max':>11}")
-    pre_s = [r["pretrain"]["clips_per_s"] for r in rows]
-    fine_s = [r["fine-tuned"]["clips_per_s"] for r in rows]
+    pre_s = [r["clips_per_s"] for r in pretrained.values()]
+    fine_s = [r["clips_per_s"] for runs in tuned.values() for r in runs.values()]
     print(f"{'pretraining (mask 0.9, decoder 4)':<34} {statistics.median(pre_s):8.1f} "
           f"{statistics.median(ratio):14.2f}x {spread(ratio):>11}")  # fmt: skip
     print(f"{'fine-tuning (all tokens)':<34} {statistics.median(fine_s):8.1f}")
@@ -138,11 +149,18 @@ def main(cfg: Config) -> None:
         f"\nvideo top-1 on {cfg.videos_per_class * 6 * 3 // 10} validation videos, {cfg.fine_tune_steps} steps on "
         f"{n_labelled} labelled training videos ({n_labelled / n_pool:.0%} of the {n_pool} pretraining saw)\n"
     )
-    print(f"{'seed':>4} {'fine-tuned':>11} {'from scratch':>13} {'difference':>11}")
-    for seed, r in enumerate(rows):
-        a, b = r["fine-tuned"]["video_top1"], r["from scratch"]["video_top1"]
-        print(f"{seed:>4} {a:11.3f} {b:13.3f} {a - b:+11.3f}")
-    print(f"median difference {statistics.median(gain):+.3f} (min {min(gain):+.3f}, max {max(gain):+.3f})")
+    seeds = range(cfg.fine_tune_seeds)
+    print(f"{'':<16}" + "".join(f"{'seed ' + str(f):>9}" for f in seeds) + f"{'median diff':>13}{'above':>7}")
+    print(f"{'from scratch':<16}" + "".join(f"{scratch[f]['video_top1']:9.3f}" for f in seeds))
+    gain = []
+    for p in pretrained:
+        diffs = [tuned[p][f]["video_top1"] - scratch[f]["video_top1"] for f in seeds]
+        gain += diffs
+        print(f"{'pretraining ' + str(p):<16}" + "".join(f"{tuned[p][f]['video_top1']:9.3f}" for f in seeds)
+              + f"{statistics.median(diffs):+13.3f}{sum(d > 0 for d in diffs):>5}/{len(diffs)}")  # fmt: skip
+    print(f"\nall {len(gain)} pairs: median difference {statistics.median(gain):+.3f} (min {min(gain):+.3f}, max "
+          f"{max(gain):+.3f}); fine-tuned above from scratch in {sum(d > 0 for d in gain)}, below in "
+          f"{sum(d < 0 for d in gain)}")  # fmt: skip
     print("\ngoal: pretraining >= 3x the clips/s of fine-tuning on a GPU; fine-tuned above from scratch")
     print(json.dumps({"ratio": ratio, "gain": gain}), file=sys.stderr)
 
