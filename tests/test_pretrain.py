@@ -17,7 +17,17 @@ from clipforge.rundir import RunDir
 
 from .helpers import TINY, losses, train
 
-MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--optim.lr", "2e-3", "--optim.warmup-steps", "2"]
+MAE = [
+    "--objective",
+    "mae",
+    "--mae.decoder-depth",
+    "1",
+    "--mae.no-norm-pixels",
+    "--optim.lr",
+    "2e-3",
+    "--optim.warmup-steps",
+    "2",
+]
 STEPS = 30
 
 
@@ -103,3 +113,24 @@ def test_pretraining_refuses_what_it_cannot_do_in_one_line(tiny_store: Path, tmp
         errors = [line for line in result.stderr.splitlines() if "clipforge: error" in line]
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert len(errors) == 1 and expected in errors[0], errors
+
+
+def test_the_targets_are_each_tubelets_pixels_normalised_by_its_own_mean_and_deviation_unless_asked_not_to() -> None:
+    """VideoMAE's default loss (the Slurm runs above pretrain on raw pixels: see their flags)."""
+    from clipforge.models.mae import MaeSettings, mae_architecture
+
+    def autoencoder(norm_pixels: bool):
+        arch = mae_architecture(
+            "videovit-tiny", 4, 16, MaeSettings(norm_pixels=norm_pixels), depth=1, tubelet=(2, 8, 8)
+        )
+        ((make, args),) = arch.layers
+        return make(*args)
+
+    clips = torch.randint(0, 256, (2, 4, 16, 16, 3), dtype=torch.uint8)
+    raw, normalised = autoencoder(False).targets(clips), autoencoder(True).targets(clips)
+    assert raw.shape == normalised.shape == (2, 8, 2 * 8 * 8 * 3)  # 2 x 2 x 2 tubelets of 2x8x8 RGB pixels
+    # Tubelet 1 of clip 1: frames 0-1, rows 0-7, columns 8-15, in (frame, row, column, channel) order.
+    assert torch.equal(raw[1, 1].reshape(2, 8, 8, 3), clips[1, :2, :8, 8:].float() / 255)
+    per_channel = normalised.reshape(2, 8, 2 * 8 * 8, 3)
+    assert per_channel.mean(dim=2).abs().max() < 1e-5
+    assert (per_channel.std(dim=2) - 1).abs().max() < 1e-4
