@@ -143,6 +143,13 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows(run_dir, "train")}
 
 
+def tiny_start():
+    """TINY's model on the tiny store (6 classes, 8x32x32 clips) as every tiny run starts it: seed 0."""
+    from clipforge.models.builders import architecture
+
+    return architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0)
+
+
 def training_clips_loss(store: Path, weights: Path) -> tuple[float, float]:
     """Cross-entropy of the tiny model on the store's training clips: at its seed-0 start, and with ``weights``.
 
@@ -152,14 +159,13 @@ def training_clips_loss(store: Path, weights: Path) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    from clipforge.models.builders import architecture, load_weights
+    from clipforge.models.builders import load_weights
     from clipforge.preprocess.reader import ClipDataset
 
     dataset = ClipDataset(ClipStore.open(store), "train")
     clips = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(len(dataset))])
     labels = torch.as_tensor([int(dataset[i][1]) for i in range(len(dataset))])
-    arch = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
-    start, trained = arch.build(seed=0).eval(), arch.build(seed=0).eval()
+    start, trained = tiny_start().eval(), tiny_start().eval()
     load_weights(trained, weights)
     with torch.no_grad():
         before, after = (F.cross_entropy(m(clips), labels).item() for m in (start, trained))

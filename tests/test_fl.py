@@ -20,7 +20,7 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .helpers import DP_CLIP, DP_SIGMA, ONE_ROUND
+from .helpers import DP_CLIP, DP_SIGMA, ONE_ROUND, tiny_start
 from .helpers import FL_TINY as TINY
 
 
@@ -178,7 +178,7 @@ def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_
 
 def test_fedprox_keeps_the_clients_near_the_global_model(resumed, one_round) -> None:
     run = one_round["fedprox"]
-    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+    start = tiny_start().state_dict()
 
     def moved(weights: dict[str, torch.Tensor]) -> float:
         return torch.cat([(weights[k] - start[k]).flatten() for k in start]).norm().item()
@@ -209,7 +209,7 @@ def test_a_proximal_pull_past_the_global_model_is_refused(tiny_store: Path) -> N
 
 def test_bf16_transport_gives_fedavgs_round_within_its_rounding(resumed, one_round) -> None:
     run = one_round["bf16"]
-    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+    start = tiny_start().state_dict()
     half = load_file(str(run / "final" / "model.safetensors"))
     full = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))  # the same round in fp32
     change = torch.cat([(full[k] - start[k]).flatten() for k in start])
@@ -250,7 +250,7 @@ def test_dp_sgd_on_the_clients_reports_the_accountants_epsilon_for_each_clients_
     record = json.loads((run / "final" / "run.json").read_text())["federated"]["sample_differential_privacy"]
     assert record["epsilon"] == row["sample_epsilon"] and record["noise_multiplier"] == 1.0
     # The clients' noised steps moved the model, and elsewhere than FedAvg's clean round.
-    start = architecture("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8)).build(seed=0).state_dict()
+    start = tiny_start().state_dict()
     private = load_file(str(run / "final" / "model.safetensors"))
     clear = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))
     assert all(not torch.equal(private[k], start[k]) and not torch.equal(private[k], clear[k]) for k in start)
