@@ -188,22 +188,32 @@ def assert_same_store(a: Path, b: Path) -> None:
 # -- work started early -------------------------------------------------------------------
 
 
+EARLY_NICE = 5
+"""The early work's CPU priority: below the suite's tests, yet enough for Flower's processes to report in time.
+
+Flower gives a ServerApp or ClientApp process it has just started 30 s to report in, then 60 s between
+heartbeats, or it fails the task. Starting one takes 1.5-2 CPU-seconds (importing Flower). At nice 19 beside
+two busy cores a group gets about 1.5% of a core, so a start takes minutes: measured, a SecAgg+ federation at
+nice 19 beside two busy loops never got its SuperNodes up; at nice 5 it finished its round in 242 s.
+"""
+
+
 def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``argv`` in a session of its own at the lowest CPU priority, its output in ``log``.
+    """``argv`` in a session of its own at :data:`EARLY_NICE`, its output in ``log``.
 
     The kernel's autogroup scheduling makes a new session a group of its own, and nice ranks a process only within
     its group: the group's own nice (set once the child is in its session) ranks it beside the others.
     """
     with open(log, "w") as out:
-        process = subprocess.Popen(["nice", "-n", "19", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(["nice", "-n", str(EARLY_NICE), *argv], stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
     with contextlib.suppress(OSError):
-        Path(f"/proc/{process.pid}/autogroup").write_text("19")
+        Path(f"/proc/{process.pid}/autogroup").write_text(str(EARLY_NICE))
     return process
 
 
 class Early:
-    """Work that tests check later, started with the session and run beside the suite at the lowest CPU priority.
+    """Work that tests check later, started with the session and run beside the suite at a lower CPU priority.
 
     Much of the suite waits on Slurm with the cores idle; work that needs no cluster uses that idle time instead
     of its own minutes. At most ``at_once`` pieces run together, so their memory stays small beside the suite's.
@@ -223,7 +233,7 @@ class Early:
         threading.Thread(target=self._keep_low, daemon=True).start()
 
     def _keep_low(self) -> None:
-        """Give every session the work starts its group's lowest priority as well, as soon as it appears.
+        """Give every session the work starts the same priority as its first, as soon as it appears.
 
         Flower's SuperLink starts its SuperExec, and so each ServerApp, in a session of its own: a new autogroup
         at the default priority, which would take a core from the suite's own tests.
@@ -235,7 +245,7 @@ class Early:
                     with contextlib.suppress(OSError):
                         session = os.getsid(pid)
                         if session not in lowered:
-                            Path(f"/proc/{pid}/autogroup").write_text("19")
+                            Path(f"/proc/{pid}/autogroup").write_text(str(EARLY_NICE))
                             lowered.add(session)
 
     def start(self, name: str, work, *args) -> None:
@@ -303,12 +313,19 @@ def kill_tree(pid: int) -> None:
             os.kill(each, signal.SIGKILL)
 
 
-def kill_client_after_its_keys(run: Path, index: int, timeout_s: float = 1800) -> None:
+def kill_client_after_its_keys(
+    run: Path, index: int, federation: subprocess.Popen, output: Path, timeout_s: float = 1800
+) -> None:
     """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
     messages (its public keys, then its key shares): a device that drops out while it trains."""
     log = run / "flower" / "logs" / f"supernode-{index}.log"
     deadline = time.monotonic() + timeout_s
     while not (log.exists() and log.read_text(errors="replace").count("Sent successfully") >= 2):
+        ended = federation.poll() is not None
+        assert not ended, (
+            f"the federation ended (exit {federation.returncode}) before client {index} answered twice:\n"
+            + output.read_text(errors="replace")[-3000:]
+        )
         assert time.monotonic() < deadline, f"client {index} never answered"
         time.sleep(0.2)
     key = f"client-{index}.key"
@@ -329,7 +346,7 @@ def one_round(early: Early, store: Path, name: str) -> Path:
     argv = federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name], clients=clients)
     process = early.process(name, argv)
     if name == "secagg":
-        kill_client_after_its_keys(early.root / name, 3)
+        kill_client_after_its_keys(early.root / name, 3, process, early.root / f"{name}.log")
     assert process.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
     return early.root / name
 
