@@ -280,7 +280,7 @@ DP_SIGMA, DP_CLIP = 1e-6, 1e4
 ONE_ROUND = {
     # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
     # then; the timeout only bounds a survivor's training stage, which on a busy host can take minutes.
-    "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "300"],
+    "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "900"],
     "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
     "fedprox": ["--proximal-mu", "300"],
     "bf16": ["--transport", "bf16"],
