@@ -225,7 +225,7 @@ class Early:
     instead of 19 with the ZeRO runs and the device check started early).
     """
 
-    def __init__(self, root: Path, at_once: int = 3) -> None:
+    def __init__(self, root: Path, at_once: int = 2) -> None:
         self.root, self.running, self.done = root, [], {}
         self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
         self.pool = ThreadPoolExecutor(at_once)
