@@ -233,7 +233,7 @@ class Early:
         threading.Thread(target=self._keep_low, daemon=True).start()
 
     def _keep_low(self) -> None:
-        """Give every session the work starts the same priority as its first, as soon as it appears.
+        """Give every session the work starts the priority :data:`EARLY_NICE` as well, as soon as it appears.
 
         Flower's SuperLink starts its SuperExec, and so each ServerApp, in a session of its own: a new autogroup
         at the default priority, which would take a core from the suite's own tests.
