@@ -39,6 +39,8 @@ class VideoSpec:
     codec: str = "libx264"
     gop: int = 12
     seed: int = 0
+    textured: bool = False
+    """A background of still low-frequency waves and a checkered shape, instead of flat colours."""
 
 
 def render_frames(spec: VideoSpec) -> np.ndarray:
@@ -52,15 +54,24 @@ def render_frames(spec: VideoSpec) -> np.ndarray:
     start = rng.uniform(0.25, 0.75, size=2)  # (x, y) as fractions of the frame
     speed = rng.uniform(0.6, 1.0) / spec.frames  # a full sweep takes about one video
     angle0 = rng.uniform(0, math.pi)
+    ground, cell = np.broadcast_to(background, (h, w, 3)), max(2, size // 2)
+    if spec.textured:  # drawn after the flat video's numbers, so a flat video stays the same
+        frequency = rng.uniform(1, 4, size=(2, 3)) * 2 * math.pi
+        phase = rng.uniform(0, 2 * math.pi, size=(2, 3))
+        waves = np.sin(xx[..., None] / w * frequency[0] + phase[0]) + np.sin(
+            yy[..., None] / h * frequency[1] + phase[1]
+        )
+        ground = np.clip(background + 30 + 30 * waves, 0, 255)
     frames = np.empty((spec.frames, h, w, 3), np.uint8)
     for t in range(spec.frames):
         img = np.empty((h, w, 3), np.uint8)
-        img[:] = background
+        img[:] = ground
         if spec.label.startswith("move_"):
             dx, dy = {"move_right": (1, 0), "move_left": (-1, 0), "move_up": (0, -1), "move_down": (0, 1)}[spec.label]
             cx = ((start[0] + dx * speed * t) % 1.0) * w
             cy = ((start[1] + dy * speed * t) % 1.0) * h
             mask = (np.abs(xx - cx) < size) & (np.abs(yy - cy) < size)
+            pattern = ((xx - cx) // cell + (yy - cy) // cell) % 2 == 0  # moves with the shape
         else:
             sign = 1 if spec.label == "turn_clockwise" else -1
             theta = angle0 + sign * 2 * math.pi * t / max(spec.frames, 24)
@@ -69,7 +80,11 @@ def render_frames(spec: VideoSpec) -> np.ndarray:
             along = (xx - cx) * math.cos(theta) + (yy - cy) * math.sin(theta)
             across = -(xx - cx) * math.sin(theta) + (yy - cy) * math.cos(theta)
             mask = (np.abs(across) < size / 3) & (np.abs(along) < min(h, w) * 0.4)
-        img[mask] = color
+            pattern = along // cell % 2 == 0  # stripes that turn with the bar
+        if spec.textured:
+            img[mask & pattern], img[mask & ~pattern] = color, color * 6 // 10
+        else:
+            img[mask] = color
         frames[t] = img
     return frames
 
@@ -115,8 +130,12 @@ def make_corpus(
     frames: tuple[int, int] = (40, 72),
     seed: int = 0,
     classes: list[str] | None = None,
+    textured: bool = False,
 ) -> list[Path]:
-    """A class-per-folder corpus under ``root``: codecs, sizes, lengths and GOPs vary by video."""
+    """A class-per-folder corpus under ``root``: codecs, sizes, lengths and GOPs vary by video.
+
+    ``textured``: each video's background and shape carry a pattern (:attr:`VideoSpec.textured`).
+    """
     rng = np.random.default_rng(seed)
     paths = []
     for label in classes or CLASSES:
@@ -132,6 +151,7 @@ def make_corpus(
                 codec=codec,
                 gop=int(rng.choice([6, 12, 30])),
                 seed=int(rng.integers(1 << 30)),
+                textured=textured,
             )
             paths.append(write_video(root / label / f"{label}_{i:03d}.{ext}", spec))
     return paths

@@ -119,6 +119,18 @@ def test_decoding_a_clip_gives_the_frames_on_screen_at_its_times(tmp_path: Path)
         assert np.abs(result.clips[1, i].astype(int) - truth[start + 3 * i]).mean() < 8  # JPEG round trip only
 
 
+def test_a_textured_video_checkers_the_flat_videos_shape_and_leaves_the_flat_video_as_it_was() -> None:
+    flat = synthetic.render_frames(synthetic.VideoSpec("move_right", frames=8, seed=5))
+    textured = synthetic.render_frames(synthetic.VideoSpec("move_right", frames=8, seed=5, textured=True))
+    colors, counts = np.unique(flat.reshape(-1, 3), axis=0, return_counts=True)
+    assert len(colors) == 2  # background and shape only
+    color = colors[counts.argmin()].astype(int)  # the shape's: it covers less of the frame
+    shape = (flat == color).all(-1)
+    # Where the flat video's shape is, the textured one shows its colour and a darker one, a checker board.
+    assert {tuple(c) for c in textured[shape].astype(int)} == {tuple(color), tuple(color * 6 // 10)}
+    assert len(np.unique(textured[~shape], axis=0)) > 100  # a background of waves, not one colour
+
+
 # -- packing -------------------------------------------------------------------------------
 @pytest.mark.mpi
 def test_one_two_and_four_ranks_pack_the_same_clips(corpus: Path, clean_store: Path, tmp_path: Path, pack) -> None:

@@ -57,6 +57,8 @@ class Config:
     """The share of the training videos whose labels fine-tuning sees (at least one per class)."""
     videos_per_class: int = 30
     """Videos of each of the six motion classes."""
+    textured: bool = False
+    """A corpus of textured videos: a background of still waves and a checkered or striped shape, not flat colours."""
     norm_pixels: bool = True
     """Pretraining's loss on each tubelet's pixels normalised by its own mean and deviation (VideoMAE's);
     ``--no-norm-pixels``: on the pixels as they are."""
@@ -110,7 +112,9 @@ def main(cfg: Config) -> None:
     pixels = "--mae.norm-pixels" if cfg.norm_pixels else "--mae.no-norm-pixels"
     with tempfile.TemporaryDirectory(prefix="clipforge-bench-pretrain-") as tmp:
         work = Path(tmp)
-        synthetic.make_corpus(work / "videos", videos_per_class=cfg.videos_per_class, frames=(48, 64), seed=3)
+        synthetic.make_corpus(
+            work / "videos", videos_per_class=cfg.videos_per_class, frames=(48, 64), seed=3, textured=cfg.textured
+        )
         pool_csv, labelled_csv = manifests(work / "videos", work, cfg.label_share)
         pool, labelled = pack(pool_csv, work / "pool"), pack(labelled_csv, work / "labelled")
         n_pool = sum(1 for line in pool_csv.read_text().splitlines() if line.endswith(",train"))
@@ -137,7 +141,8 @@ def main(cfg: Config) -> None:
     print(
         f"\nvideovit-tiny depth 4, 8x32x32 clips in 2x8x8 tubelets (64 tokens), batch 8, 1 process; "
         f"{cfg.repeats} pretrainings of {cfg.pretrain_steps} steps ({'normalised' if cfg.norm_pixels else 'raw'} "
-        f"pixels), each fine-tuned with {cfg.fine_tune_seeds} seeds; fine-tuning and from scratch alternating\n"
+        f"pixels), each fine-tuned with {cfg.fine_tune_seeds} seeds; fine-tuning and from scratch alternating"
+        f"{'; textured videos' if cfg.textured else ''}\n"
     )
     print(f"{'run':<34} {'clips/s':>8} {'vs fine-tuning':>15} {'min-max':>11}")
     pre_s = [r["clips_per_s"] for r in pretrained.values()]
