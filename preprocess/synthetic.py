@@ -71,7 +71,8 @@ def render_frames(spec: VideoSpec) -> np.ndarray:
             cx = ((start[0] + dx * speed * t) % 1.0) * w
             cy = ((start[1] + dy * speed * t) % 1.0) * h
             mask = (np.abs(xx - cx) < size) & (np.abs(yy - cy) < size)
-            pattern = ((xx - cx) // cell + (yy - cy) // cell) % 2 == 0  # moves with the shape
+            if spec.textured:  # a checker board that moves with the shape
+                pattern = ((xx - cx) // cell + (yy - cy) // cell) % 2 == 0
         else:
             sign = 1 if spec.label == "turn_clockwise" else -1
             theta = angle0 + sign * 2 * math.pi * t / max(spec.frames, 24)
@@ -80,7 +81,8 @@ def render_frames(spec: VideoSpec) -> np.ndarray:
             along = (xx - cx) * math.cos(theta) + (yy - cy) * math.sin(theta)
             across = -(xx - cx) * math.sin(theta) + (yy - cy) * math.cos(theta)
             mask = (np.abs(across) < size / 3) & (np.abs(along) < min(h, w) * 0.4)
-            pattern = along // cell % 2 == 0  # stripes that turn with the bar
+            if spec.textured:  # stripes that turn with the bar
+                pattern = along // cell % 2 == 0
         if spec.textured:
             img[mask & pattern], img[mask & ~pattern] = color, color * 6 // 10
         else:

@@ -17,17 +17,8 @@ from clipforge.rundir import RunDir
 
 from .helpers import TINY, losses, train
 
-MAE = [
-    "--objective",
-    "mae",
-    "--mae.decoder-depth",
-    "1",
-    "--mae.no-norm-pixels",
-    "--optim.lr",
-    "2e-3",
-    "--optim.warmup-steps",
-    "2",
-]
+MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--mae.no-norm-pixels"]
+MAE += ["--optim.lr", "2e-3", "--optim.warmup-steps", "2"]
 STEPS = 30
 
 
