@@ -23,9 +23,7 @@ def slurm() -> LocalCluster:
     cluster = LocalCluster()
     if not cluster.is_up():
         cluster.up()
-    os.environ.update(cluster.env)
-    # Batch scripts start `python3` from PATH: make it this virtual environment's.
-    os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
+    os.environ.update(cluster.env)  # batch scripts start `python3` from PATH: the venv's (session_environment)
     return cluster
 
 
@@ -144,20 +142,40 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def torch_extensions_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """DeepSpeed JIT-builds one op on its first init (20-40 s): keep it for the whole run."""
+def session_environment() -> None:
+    """What every process the tests start sees, set before the first one starts.
+
+    DeepSpeed JIT-builds one op on its first init (20-40 s): it is kept for the whole run. It is built by the
+    ``ninja`` first on PATH, and the venv's (1.13) and Debian's (1.11) record a build's command differently, so a
+    switch between them rebuilds it, every other DeepSpeed start waiting on its lock: the venv's first, from the start.
+    Batch scripts also start ``python3`` from PATH: the venv's.
+    """
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
     )
+    if not os.environ["PATH"].startswith(f"{VENV_BIN}:"):
+        os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
+
+
+WAITING_FIRST = ("test_multinode.py", "test_preprocess.py", "test_records.py", "test_registry.py", "test_slurm.py",
+                 "test_store_scale.py")  # fmt: skip
+"""The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): 395 of
+their 497 seconds had a core idle in a measured run. They run first, while the early federations (:func:`early`)
+need CPU, so those take the idle cores instead of the busy tests' time."""
+
+
+CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py")
+"""The modules that check work run beside the rest of the suite (:func:`early`): last, so it is done by then."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The federated tests last: their federations run beside the rest of the suite (:func:`early`)."""
-    items.sort(key=lambda item: item.path.name == "test_fl.py")  # a stable sort: the order is kept otherwise
+    """The waiting modules first, those that check the early work last."""
+    # A stable sort: the order is kept within each of the three groups.
+    items.sort(key=lambda item: 2 if item.path.name in CHECKING_EARLY else item.path.name not in WAITING_FIRST)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def early(request, tmp_path_factory) -> Early:
+def early(request, tmp_path_factory, session_environment) -> Early:
     """The collected tests' slow work that needs no cluster, started with the session (see helpers.Early)."""
     needs = set().union(*(item.fixturenames for item in request.session.items))
     work = Early(tmp_path_factory.mktemp("early"))
@@ -166,8 +184,19 @@ def early(request, tmp_path_factory) -> Early:
         for name in helpers.ONE_ROUND:
             work.start(name, helpers.one_round, store, name)
         work.start("killed", helpers.killed_after_round_one, store)
+    if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
+        work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
+    if "trained" in needs:
+        work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
+                   request.getfixturevalue("tiny_store"))  # fmt: skip
     yield work
     work.stop()
+
+
+@pytest.fixture(scope="session")
+def trained(early) -> dict[str, Path]:
+    """test_train's runs that are only compared once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
+    return early.result("trainings")
 
 
 @pytest.fixture(scope="session")

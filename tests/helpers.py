@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,13 @@ PS_TINY = [
 ]
 
 
+def train_argv(mpiexec, store: Path, run_dir: Path, *extra: str, ranks: int = 2, steps: int = 12) -> list[str]:
+    """The training job's command line on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` wins."""
+    argv = [*mpiexec, "-n", str(ranks), "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m"]
+    argv += ["clipforge.jobs.train", "--data.store", str(store), "--run-dir", str(run_dir), "--steps", str(steps)]
+    return [*argv, "--eval-every", "1000", "--checkpoint-every", "1000", *TINY, *extra]
+
+
 def train(
     mpiexec,
     store: Path,
@@ -95,33 +103,12 @@ def train(
     check: bool = True,
     wait: bool = True,
 ):
-    """The training job on ``ranks`` CPU processes under mpiexec, with TINY's model; ``extra`` flags win.
+    """The training job of :func:`train_argv`.
 
     Returns the completed process (asserted to succeed unless ``check`` is False), or the running one
     (in its own session, for os.killpg) when ``wait`` is False.
     """
-    argv = [
-        *mpiexec,
-        "-n",
-        str(ranks),
-        "-x",
-        f"MASTER_PORT={free_port()}",
-        sys.executable,
-        "-m",
-        "clipforge.jobs.train",
-        "--data.store",
-        str(store),
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(steps),
-        "--eval-every",
-        "1000",
-        "--checkpoint-every",
-        "1000",
-        *TINY,
-        *extra,
-    ]
+    argv = train_argv(mpiexec, store, run_dir, *extra, ranks=ranks, steps=steps)
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -219,17 +206,16 @@ class Early:
     of its own minutes. At most ``at_once`` pieces run together, so their memory stays small beside the suite's.
     conftest starts what the collected tests need and puts the tests that wait on it last.
 
-    Only the Flower federations run so: they are mostly process start-up (Flower starts a process per message).
-    Work that loads DeepSpeed's compiled op must not: loading it takes a file lock in the extensions folder, and
-    a starved low-priority holder of that lock stalled the suite's own DeepSpeed runs (the suite took 28 minutes
-    instead of 19 with the ZeRO runs and the device check started early).
+    Work that loads DeepSpeed's compiled op does so from a copy of the extensions folder (:meth:`own_extensions`):
+    loading takes a file lock there, and a starved low-priority holder of the suite's lock once stalled the suite's
+    own DeepSpeed runs (28 minutes instead of 19, at nice 19).
     """
 
     def __init__(self, root: Path, at_once: int = 2) -> None:
         self.root, self.running, self.done = root, [], {}
         self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
         self.pool = ThreadPoolExecutor(at_once)
-        self.stopped = threading.Event()
+        self.stopped, self.copying = threading.Event(), threading.Lock()
         threading.Thread(target=self._keep_low, daemon=True).start()
 
     def _keep_low(self) -> None:
@@ -252,10 +238,19 @@ class Early:
         """Queue ``work(self, *args)``; :meth:`result` gives what it returns."""
         self.done[name] = self.pool.submit(work, self, *args)
 
-    def process(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """``argv`` started at low priority, its output in ``ROOT/NAME.log``; killed at the end of the session."""
-        self.running.append(low_priority(argv, self.root / f"{name}.log", self.env))
+        self.running.append(low_priority(argv, self.root / f"{name}.log", env or self.env))
         return self.running[-1]
+
+    def own_extensions(self) -> dict[str, str]:
+        """The early environment with a copy of the suite's extensions folder, for work that loads DeepSpeed's
+        compiled op: copied as it is now (built, or to be built there on first use), so no lock is shared."""
+        suite, copy = Path(os.environ["TORCH_EXTENSIONS_DIR"]), self.root / "torch_extensions"
+        with self.copying:  # once: a second copy would rewrite a library that an early process may be loading
+            if suite.exists() and not copy.exists():
+                shutil.copytree(suite, copy, ignore=shutil.ignore_patterns("lock"))
+        return dict(self.env, TORCH_EXTENSIONS_DIR=str(copy))
 
     def result(self, name: str, timeout_s: float = 1800):
         return self.done[name].result(timeout=timeout_s)
@@ -269,6 +264,52 @@ class Early:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+DEVICE_CHECK_SMALL = ["--model", "videovit-tiny", "--depth", "2", "--tubelet", "2", "8", "8", "--frames", "8"]
+DEVICE_CHECK_SMALL += ["--size", "32", "--crop", "24", "--steps", "6", "--batch", "2", "--workers", "0"]
+# One stage: the ZeRO stages themselves are tested in test_train.py; stage 2 runs in the kill-and-resume check.
+DEVICE_CHECK_SMALL += ["--stages", "0"]
+"""The device check's flags for a run on CPUs at a small size."""
+
+
+def device_check(early: Early) -> tuple[int, str, Path]:
+    """The device check (``jobs/gpu_check.py``, the script a GPU node runs) on CPUs at a small size: its exit
+    status, its output and the table it wrote."""
+    script, table = Path(__file__).resolve().parents[1] / "jobs" / "gpu_check.py", early.root / "device-check.md"
+    argv = [sys.executable, str(script), *DEVICE_CHECK_SMALL, "--work", str(early.root / "device-check")]
+    process = early.process("device-check", [*argv, "--out", str(table)], early.own_extensions())
+    return process.wait(timeout=1800), (early.root / "device-check.log").read_text(errors="replace"), table
+
+
+LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
+"""Locality-aware sampling: shards in random order, clips shuffled within a window."""
+_ZERO1 = ("--parallel.zero-stage", "1")
+_PIPELINE = ("--parallel.pipeline-stages", "2", "--parallel.partition-method", "uniform", "--optim.clip-grad", "0.05")
+EARLY_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
+    **{f"zero{stage}": (("--parallel.zero-stage", str(stage), *LOCAL), 2, 12) for stage in (0, 1, 2, 3)},
+    "accum": (("--grad-accum", "2"), 2, 6),
+    "double": (("--batch-per-rank", "8"), 2, 6),  # overrides TINY's batch of 4
+    # With clipping on, and low enough to bite: the norm it clips by must be the whole model's across both stages,
+    # or the pipeline's losses part from one process's after a few steps.
+    "pipe": (_PIPELINE, 2, 8),
+    "one": (("--optim.clip-grad", "0.05"), 1, 8),
+    "grid": (("--parallel.pipeline-stages", "2", *_ZERO1), 4, 6),
+    "flat": (_ZERO1, 2, 6),
+}
+"""test_train's runs that are only compared once finished: name -> (flags beside TINY's, ranks, steps)."""
+
+
+def trainings(early: Early, mpiexec: list[str], store: Path) -> dict[str, Path]:
+    """Every run of :data:`EARLY_TRAININGS`, one after another; their run directories once all ended well."""
+    env, runs = early.own_extensions(), {}
+    (early.root / "trainings").mkdir()
+    for name, (extra, ranks, steps) in EARLY_TRAININGS.items():
+        runs[name] = early.root / "trainings" / name
+        process = early.process(f"train-{name}", train_argv(mpiexec, store, runs[name], *extra, ranks=ranks,
+                                                            steps=steps), env)  # fmt: skip
+        assert process.wait(timeout=1800) == 0, (early.root / f"train-{name}.log").read_text()[-4000:]
+    return runs
 
 
 # -- Flower federations --------------------------------------------------------------------

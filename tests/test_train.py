@@ -23,20 +23,16 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-from .helpers import TINY, TINY_TRAINING, losses, train
+from .helpers import LOCAL, TINY, TINY_TRAINING, losses, train
 
-# The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips;
-# the other runs shuffle globally.
-LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
+# The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips
+# (LOCAL); the other runs shuffle globally.
 
 
 @pytest.fixture(scope="module")
-def zero_runs(mpiexec, tiny_store: Path, tmp_path_factory) -> dict[int, Path]:
-    runs = {}
-    for stage in (0, 1, 2, 3):
-        runs[stage] = tmp_path_factory.mktemp(f"zero{stage}")
-        train(mpiexec, tiny_store, runs[stage], "--parallel.zero-stage", str(stage), *LOCAL)
-    return runs
+def zero_runs(trained) -> dict[int, Path]:
+    """A run of each ZeRO stage on 2 ranks, 12 steps (trained beside the suite: helpers.EARLY_TRAININGS)."""
+    return {stage: trained[f"zero{stage}"] for stage in (0, 1, 2, 3)}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -70,36 +66,27 @@ def test_a_zero3_runs_consolidated_weights_load_into_the_plain_model_and_evaluat
     )
 
 
-def test_gradient_accumulation_of_two_equals_a_doubled_batch(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
-    train(mpiexec, tiny_store, tmp_path / "accum", "--grad-accum", "2", steps=6)
-    train(mpiexec, tiny_store, tmp_path / "double", "--batch-per-rank", "8", steps=6)  # overrides TINY's batch of 4
-    a, b = losses(tmp_path / "accum"), losses(tmp_path / "double")
-    assert all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
+def test_gradient_accumulation_of_two_equals_a_doubled_batch(trained) -> None:
+    a, b = losses(trained["accum"]), losses(trained["double"])  # 2 x 4 clips a rank, then 8 at once
+    assert sorted(a) == list(range(1, 7)) and all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
 
 
-def test_a_pipeline_of_two_stages_trains_like_one_process(mpiexec, tiny_store: Path, tmp_path: Path) -> None:
-    # With clipping on (the default 1.0, and low enough to bite here): the norm it clips by must be the
-    # whole model's across both stages, or the losses part from one process's after a few steps.
-    clip = ["--optim.clip-grad", "0.05"]
-    stages = ["--parallel.pipeline-stages", "2", "--parallel.partition-method", "uniform"]
-    train(mpiexec, tiny_store, tmp_path / "pipe", *stages, *clip, steps=8)
-    train(mpiexec, tiny_store, tmp_path / "one", *clip, ranks=1, steps=8)
-    pipe, one = losses(tmp_path / "pipe"), losses(tmp_path / "one")
+def test_a_pipeline_of_two_stages_trains_like_one_process(trained) -> None:
+    # Both with gradient clipping at 0.05 (helpers.EARLY_TRAININGS): the pipeline must clip by the whole model's norm.
+    pipe, one = losses(trained["pipe"]), losses(trained["one"])
     assert len(pipe) == 8 and all(abs(pipe[s] - one[s]) < 1e-4 for s in one), (pipe, one)  # same samples, same maths
     model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
-    load_weights(model, tmp_path / "pipe" / "final" / "model.safetensors")
+    load_weights(model, trained["pipe"] / "final" / "model.safetensors")
 
 
 def test_two_pipeline_stages_times_two_data_parallel_on_four_processes_train_like_two_data_parallel_ranks(
-    mpiexec, tiny_store: Path, tmp_path: Path
+    trained,
 ) -> None:
-    zero = ["--parallel.zero-stage", "1"]
-    train(mpiexec, tiny_store, tmp_path / "grid", "--parallel.pipeline-stages", "2", *zero, ranks=4, steps=6)
-    train(mpiexec, tiny_store, tmp_path / "flat", *zero, ranks=2, steps=6)
-    grid, flat = losses(tmp_path / "grid"), losses(tmp_path / "flat")
+    # 4 ranks in 2 pipeline stages x 2 data-parallel, against 2 data-parallel ranks; ZeRO-1 both.
+    grid, flat = losses(trained["grid"]), losses(trained["flat"])
     # Each data-parallel pair of stages reads what one of the two flat ranks reads: the same global batches.
     assert len(grid) == 6 and all(abs(grid[s] - flat[s]) < 1e-4 for s in flat), (grid, flat)
-    assert json.loads((tmp_path / "grid" / "final" / "run.json").read_text())["world_size"] == 4
+    assert json.loads((trained["grid"] / "final" / "run.json").read_text())["world_size"] == 4
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
