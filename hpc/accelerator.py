@@ -76,9 +76,14 @@ def peak(device: torch.device) -> Peak:
     return Peak(matmul_tflops(device), "measured", name)
 
 
-def matmul_tflops(device: torch.device, seconds: float = 0.5) -> float:
-    """TFLOP/s of square matmuls on ``device`` (bf16 on a GPU, fp32 on a CPU, where bf16 is emulated)."""
+def matmul_tflops(device: torch.device, seconds: float | None = None) -> float:
+    """TFLOP/s of square matmuls on ``device`` (bf16 on a GPU, fp32 on a CPU, where bf16 is emulated).
+
+    Timed for ``seconds``: by default half a second on a GPU, and a fifth on a CPU (about ten 1024x1024 matmuls,
+    on every thread), where it runs at the start of every run a test suite or a laptop starts.
+    """
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    seconds = seconds if seconds is not None else 0.5 if device.type == "cuda" else 0.2
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up: kernel selection, thread pool

@@ -104,7 +104,13 @@ class Resources:
             raise ResourceError(f"signal_delay_s: must be 0 or more, got {self.signal_delay_s}")
         if self.gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.gpu_type):
             raise ResourceError(f"gpu_type: {self.gpu_type!r} is not a GPU model name such as 'a100'")
-        parse_time(self.time)
+        limit_s = parse_time(self.time) * 60
+        if 0 < limit_s <= self.signal_delay_s:
+            raise ResourceError(
+                f"signal_delay_s: {self.signal_delay_s} s is not below the time limit ({self.time}): the checkpoint "
+                "signal would come as the job starts, before it can checkpoint; give a longer time or a smaller "
+                "signal_delay_s"
+            )
         if self.mem is not None:
             parse_memory_mb(self.mem)
         if not re.fullmatch(r"[\w.+-]+", self.job_name):

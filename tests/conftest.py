@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import submitit
 
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
 from . import helpers
-from .helpers import VENV_BIN, Early, pack_argv
+from .helpers import VENV_BIN, Early, options, pack_argv
 
 
 @pytest.fixture(scope="session")
@@ -159,9 +160,9 @@ def session_environment() -> None:
 
 WAITING_FIRST = ("test_multinode.py", "test_preprocess.py", "test_records.py", "test_registry.py", "test_slurm.py",
                  "test_store_scale.py")  # fmt: skip
-"""The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): 395 of
-their 497 seconds had a core idle in a measured run. They run first, while the early federations (:func:`early`)
-need CPU, so those take the idle cores instead of the busy tests' time."""
+"""The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): in a
+measured run their 497 seconds left 395 core-seconds idle. They run first, while the early work (:func:`early`)
+needs CPU, so it takes the idle cores instead of the busy tests' time."""
 
 
 CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py")
@@ -186,6 +187,8 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         work.start("killed", helpers.killed_after_round_one, store)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
+    if "time_limited" in needs:
+        request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
     if "trained" in needs:
         work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
                    request.getfixturevalue("tiny_store"))  # fmt: skip
@@ -194,8 +197,26 @@ def early(request, tmp_path_factory, session_environment) -> Early:
 
 
 @pytest.fixture(scope="session")
+def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submitit.Job, Path]:
+    """A selftest job that reaches its one-minute time limit twice, submitted with the session (:func:`early`) and
+    checked by test_slurm.py: its two runs mostly wait on Slurm, so the other tests run meanwhile."""
+    from clipforge.hpc.launch import run_script
+
+    root = tmp_path_factory.mktemp("time-limit")
+    # Slurm's shortest limit is a minute, and slurmctld looks at time limits (and --signal) about every 30 s.
+    # The signal is due 20 s into each run, so it comes 20-50 s in: a signal due at the start once came while the
+    # job was still importing, before submitit's handler, and SIGUSR2's default action killed it.
+    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=40, max_requeues=1)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CLIPFORGE_JOBS_DIR", str(root / "jobs"))
+        job = run_script("clipforge.jobs.selftest", limits + options(steps=100000, step_seconds=0.5,
+                                                                      state_dir=root / "state"))  # fmt: skip
+    return job, root / "state"
+
+
+@pytest.fixture(scope="session")
 def trained(early) -> dict[str, Path]:
-    """test_train's runs that are only compared once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
+    """The runs that tests only read once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
     return early.result("trainings")
 
 

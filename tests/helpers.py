@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -296,8 +297,11 @@ EARLY_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
     "one": (("--optim.clip-grad", "0.05"), 1, 8),
     "grid": (("--parallel.pipeline-stages", "2", *_ZERO1), 4, 6),
     "flat": (_ZERO1, 2, 6),
+    # test_evaluate's: bf16 ZeRO-2 on 24x24 crops of the 32x32 store, room for three spatial views.
+    "cropped": (("--precision", "bf16", "--parallel.zero-stage", "2", "--data.crop", "24"), 2, 6),
 }
-"""test_train's runs that are only compared once finished: name -> (flags beside TINY's, ranks, steps)."""
+"""The runs of test_train and test_evaluate that are only read once finished: name -> (flags beside TINY's, ranks,
+steps)."""
 
 
 def trainings(early: Early, mpiexec: list[str], store: Path) -> dict[str, Path]:
@@ -306,8 +310,11 @@ def trainings(early: Early, mpiexec: list[str], store: Path) -> dict[str, Path]:
     (early.root / "trainings").mkdir()
     for name, (extra, ranks, steps) in EARLY_TRAININGS.items():
         runs[name] = early.root / "trainings" / name
-        process = early.process(f"train-{name}", train_argv(mpiexec, store, runs[name], *extra, ranks=ranks,
-                                                            steps=steps), env)  # fmt: skip
+        argv = train_argv(mpiexec, store, runs[name], *extra, ranks=ranks, steps=steps)
+        # mpiexec's session folder is TMPDIR/ompi.PID: a fresh TMPDIR each. PIDs wrap around (at 32768 here) within
+        # a suite, and a killed mpiexec's stale folder under a reused PID is the likely reason PMIx's listener once
+        # failed to start.
+        process = early.process(f"train-{name}", argv, dict(env, TMPDIR=tempfile.mkdtemp(prefix="cf-mpi-")))
         assert process.wait(timeout=1800) == 0, (early.root / f"train-{name}.log").read_text()[-4000:]
     return runs
 

@@ -19,15 +19,13 @@ from clipforge.models.prediction import PredictionLog
 from clipforge.models.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly
 
-from .helpers import losses, train
+from .helpers import losses
 
 
 @pytest.fixture(scope="module")
-def cropped_run(mpiexec, tiny_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A bf16 ZeRO-2 run on 24x24 crops of the 32x32 store: room for three spatial views."""
-    run = tmp_path_factory.mktemp("cropped")
-    train(mpiexec, tiny_store, run, "--precision", "bf16", "--parallel.zero-stage", "2", "--data.crop", "24", steps=6)
-    return run
+def cropped_run(trained) -> Path:
+    """A bf16 ZeRO-2 run on 24x24 crops of the 32x32 store: room for three spatial views (helpers.EARLY_TRAININGS)."""
+    return trained["cropped"]
 
 
 def job(module: str, *args: str, timeout: int = 300, code: int = 0) -> subprocess.CompletedProcess:

@@ -41,6 +41,13 @@ def test_negative_gpus_are_refused() -> None:
         Resources(gpus_per_node=-1).validate()
 
 
+def test_a_checkpoint_signal_due_before_the_job_starts_is_refused() -> None:
+    # Due at the start, SIGUSR2 can come while the job still imports, before submitit's handler: it kills the job.
+    with pytest.raises(ResourceError, match=r"^signal_delay_s: 120 s is not below the time limit \(2\): .* smaller"):
+        Resources(time="2", signal_delay_s=120).validate()
+    assert Resources(time="2", signal_delay_s=119).validate().signal_delay_s == 119
+
+
 def test_memory_sizes() -> None:
     assert parse_memory_mb("64G") == 65536
     assert parse_memory_mb("500M") == 500

@@ -43,20 +43,6 @@ def _job_log(job: submitit.Job) -> str:
     return Path(str(job.paths.stdout)).read_text() + Path(str(job.paths.stderr)).read_text()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submitit.Job, Path]:
-    """A job that reaches its time limit twice, submitted before the module's first test and checked after its
-    last: its two minute-long runs mostly wait on Slurm, so the other tests run meanwhile."""
-    root = tmp_path_factory.mktemp("time-limit")
-    # The signal is due as the job starts: slurmctld looks at time limits (and --signal) about every 30 s,
-    # and Slurm's shortest limit is a minute, so a later one only adds waiting to each of the two runs.
-    limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=60, max_requeues=1)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("CLIPFORGE_JOBS_DIR", str(root / "jobs"))
-        job = run_script(SELFTEST, limits + options(steps=100000, step_seconds=0.5, state_dir=root / "state"))
-    return job, root / "state"
-
-
 def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None:
     results = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "True"])
     assert sorted(r["rank"] for r in results) == [0, 1]
