@@ -158,12 +158,12 @@ def session_environment() -> None:
         os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
 
 
-WAITING_FIRST = ("test_multinode.py", "test_records.py", "test_registry.py", "test_slurm.py", "test_store_scale.py")
 # Not test_preprocess.py, though it waits too: run first, beside the early work, a rank of its 3-node packing once
 # segfaulted in Open MPI's MPI_Init (a fragment that arrived while the rank was still starting).
+WAITING_FIRST = ("test_multinode.py", "test_records.py", "test_registry.py", "test_slurm.py", "test_store_scale.py")
 """The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): in a
-measured run their 497 seconds left 395 core-seconds idle. They run first, while the early work (:func:`early`)
-needs CPU, so it takes the idle cores instead of the busy tests' time."""
+measured run these and test_preprocess.py left 395 core-seconds idle in 497 seconds. They run first, while the early
+work (:func:`early`) needs CPU, so it takes the idle cores instead of the busy tests' time."""
 
 
 CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py")
