@@ -149,7 +149,8 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             world_size=int(env["SUBMITIT_LOCAL_NTASKS"]),
             local_rank=int(env["SUBMITIT_LOCAL_LOCALID"]),
             master_addr="127.0.0.1",
-            master_port=master_port(job_id),
+            # Set by the submitter (clipforge.hpc.launch.local_port), checked free; derived for older submissions.
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else master_port(job_id),
             job_id=job_id,
             source="submitit-local",
         )
@@ -247,5 +248,13 @@ def init_process_group(env: DistEnv, device, single: bool = False, timeout_s: fl
     if dist.is_initialized() or (env.world_size == 1 and not single):
         return dist.is_initialized()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        raise LaunchError(
+            f"rank {env.rank} cannot listen on port {env.master_port} for the rendezvous: another process has it; "
+            "set MASTER_PORT to a free port (a local job picks a free one when MASTER_PORT is unset)"
+        ) from None
     return True

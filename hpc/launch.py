@@ -30,9 +30,13 @@ import dataclasses
 import importlib
 import logging
 import os
+import pickle
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import submitit
@@ -40,7 +44,7 @@ import submitit
 from clipforge.base.errors import UserError
 from clipforge.base.logs import ERROR_PREFIX, failure_reason, setup_logging
 
-from .distenv import LaunchError
+from .distenv import LaunchError, free_port
 from .executor import job_logs, make_executor, submit
 from .mpi import mpiexec_command
 from .profile import ClusterProfile, load_profile
@@ -136,8 +140,12 @@ class ScriptJob(RequeueableJob):
         self.argv = list(argv)
         self.mpi_tasks = mpi_tasks
         """When set, start that many MPI ranks with mpiexec (local executor: no srun to do it)."""
+        self.master_port = 0
+        """When set, the tasks' rendezvous port (local executor: chosen free at submission, see :func:`local_port`)."""
 
     def run(self) -> Any:
+        if self.master_port:
+            os.environ["MASTER_PORT"] = str(self.master_port)
         if self.mpi_tasks:
             command = [*mpiexec_command(self.mpi_tasks), sys.executable, "-u", "-m", self.module, *self.argv]
             code = subprocess.run(command, check=False).returncode
@@ -188,6 +196,8 @@ def submit_script(spec: JobSpec, argv: list[str], resources: Resources, launch: 
         # Local tasks are not MPI ranks: one task starts the ranks with mpiexec.
         job_object.mpi_tasks = resources.ntasks
         resources = dataclasses.replace(resources, ntasks_per_node=1)
+    if kind == "local" and resources.ntasks > 1:
+        job_object.master_port = local_port()
     executor = make_executor(resources, profile, kind)
     job = submit(executor, job_object, name=spec.name)
     log.info("submitted %s as job %s (%s executor); logs: %s", spec.module, job.job_id, kind, job.paths.stdout)
@@ -196,12 +206,23 @@ def submit_script(spec: JobSpec, argv: list[str], resources: Resources, launch: 
         print(f"job {job.job_id} submitted; follow it with: clipforge jobs logs {job.job_id}")
         return job
     if kind == "local":
-        _follow(job)
+        _follow(job, stop_on_failure=resources.ntasks > 1 and not spec.survives_lost_ranks)
     try:
         results = job.results()
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
         raise LaunchError(job_failure(job, str(exc))) from None
     return results[0] if len(results) == 1 else results
+
+
+def local_port(environ: dict[str, str] | None = None) -> int:
+    """The rendezvous port of a local job's tasks: ``MASTER_PORT`` if the submitter set one, else one free now.
+
+    Slurm jobs derive theirs from the job id on every node alike (:func:`~clipforge.hpc.distenv.master_port`);
+    local tasks share this host with whatever else listens on it, so the port is checked free at submission
+    instead of derived (a derived one can be taken, and the job then fails at its rendezvous).
+    """
+    env = os.environ if environ is None else environ
+    return int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else free_port()
 
 
 def job_failure(job: submitit.Job, fallback: str = "") -> str:
@@ -215,15 +236,15 @@ _FAILED_MARK = b"Submitted job triggered an exception"
 """What submitit logs before the traceback of a job that raised: the terminal gets the reason instead."""
 
 
-def _follow(job: submitit.Job) -> None:
+def _follow(job: submitit.Job, stop_on_failure: bool = False) -> None:
     """Echo rank 0's log while a local job runs, so progress shows on the terminal as it happens.
 
     The echo stops where submitit reports that the job raised: its traceback stays in the log,
-    and the submitter prints the job's own one-line reason and the log's path.
+    and the submitter prints the job's own one-line reason and the log's path. With
+    ``stop_on_failure``, a task that raised stops the job's other tasks, as ``srun
+    --kill-on-bad-exit`` does under Slurm: they would otherwise wait at their next collective (or
+    their rendezvous) for the whole process-group timeout.
     """
-    import time
-    from pathlib import Path
-
     paths = [Path(str(job.paths.stderr).replace("%t", "0")), Path(str(job.paths.stdout).replace("%t", "0"))]
     offsets = {p: 0 for p in paths}
     ended: set[Path] = set()
@@ -252,8 +273,66 @@ def _follow(job: submitit.Job) -> None:
 
     while not job.done():
         echo()
+        failed = _failed_task(job) if stop_on_failure else None
+        if failed is not None:
+            log.error("job %s: task %d failed; stopping its other tasks", job.job_id, failed)
+            _interrupt_tasks(job)
+            stop_on_failure = False
         time.sleep(1.0)
     echo()
+
+
+def _interrupt_tasks(job: submitit.Job) -> None:
+    """SIGINT to the tasks of a local job (the processes running ``submitit.core._submit`` under it).
+
+    Not ``job.cancel()``: that interrupts submitit's controller, whose traceback lands on the terminal. Once
+    its tasks have exited, the controller ends on its own and the job's results say what failed.
+    """
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    under, grew = {int(job.job_id)}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in under} - under
+        under |= more
+        grew = bool(more)
+    tasks = []
+    for pid in under:
+        try:
+            if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                tasks.append(pid)
+        except OSError:  # gone meanwhile
+            continue
+    # As submitit's controller stops tasks: SIGINT, then SIGKILL for a task blocked in C++ (a rendezvous).
+    for sig, grace_s in ((signal.SIGINT, 2.0), (signal.SIGKILL, 0.0)):
+        for pid in tasks:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in tasks):
+            time.sleep(0.1)
+
+
+def _failed_task(job: submitit.Job) -> int | None:
+    """The first task of a running local job whose result says it raised, if any."""
+    from submitit.core.utils import JobPaths
+
+    for task in range(job.num_tasks):
+        path = JobPaths(job.paths.folder, job.job_id, task).result_pickle
+        if path.exists():
+            try:
+                outcome = submitit.core.utils.pickle_load(path)[0]
+            except (OSError, EOFError, ValueError, IndexError, pickle.UnpicklingError):  # being written: again later
+                continue
+            if outcome == "error":
+                return task
+    return None
 
 
 def _srun(spec: JobSpec, argv: list[str], profile: ClusterProfile, ntasks: int, replace: bool) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from clipforge.hpc.distenv import (
@@ -72,6 +74,17 @@ def test_submitit_local_tasks() -> None:
     }
     dist = dist_env(env)
     assert (dist.rank, dist.world_size, dist.master_addr, dist.master_port) == (1, 2, "127.0.0.1", master_port(777))
+    # The submitter's port, checked free when it submitted (clipforge.hpc.launch.local_port), wins.
+    assert dist_env({**env, "MASTER_PORT": "23456"}).master_port == 23456
+
+
+def test_a_local_job_takes_the_submitters_master_port_or_one_free_now() -> None:
+    from clipforge.hpc.launch import local_port
+
+    assert local_port({"MASTER_PORT": "23456"}) == 23456
+    port = local_port({})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # free: nothing listens there
 
 
 def test_mpiexec_ranks() -> None:

@@ -26,6 +26,24 @@ def test_the_local_executor_runs_the_same_job_with_two_ranks() -> None:
     assert [(r.executor, r.state) for r in listed] == [("local", "COMPLETED")]
 
 
+def test_a_local_job_whose_rendezvous_port_is_taken_says_so_and_stops_its_other_task() -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()  # rank 0 cannot listen here; rank 1 connects, and would wait for its 120 s timeout
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "clipforge.jobs.selftest", "--executor", "local", "--ntasks-per-node", "2"]
+        result = subprocess.run(argv, env={**os.environ, "MASTER_PORT": str(port)}, capture_output=True, text=True,
+                                timeout=100)  # fmt: skip
+    assert result.returncode != 0
+    assert f"cannot listen on port {port} for the rendezvous: another process has it" in result.stderr
+    assert "task 0 failed; stopping its other tasks" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> None:
     import subprocess
     import sys
