@@ -8,6 +8,7 @@ same place, whatever the executor.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import sys
@@ -23,6 +24,8 @@ from clipforge.base.files import write_json
 
 from .profile import ClusterProfile
 from .resources import ResourceError, Resources
+
+log = logging.getLogger(__name__)
 
 ExecutorKind = Literal["slurm", "local", "debug"]
 RECORD = "clipforge-job.json"
@@ -90,8 +93,10 @@ def submit(executor: submitit.Executor, fn: Callable[..., Any], *args: Any, name
     A job submitted from inside a job or an allocation inherits its SLURM_*
     variables (submitit #1782); an inherited SLURM_CPU_BIND made a fleet 3x slower.
     """
+    started = time.time()
     with _clean_slurm_env():
         job = executor.submit(fn, *args)
+    _set_aside_earlier(job, started)
     _record(job, executor, name or getattr(fn, "__name__", type(fn).__name__))
     return job
 
@@ -106,11 +111,43 @@ def submit_array(
     """Submit one job array (a single ``sbatch --array``), one task per argument."""
     if getattr(executor, "clipforge_kind", "") == "slurm":
         executor.update_parameters(array_parallelism=parallelism)
+    started = time.time()
     with _clean_slurm_env():
         jobs = executor.map_array(fn, arguments)
     for job in jobs:
+        _set_aside_earlier(job, started)
         _record(job, executor, name or getattr(fn, "__name__", type(fn).__name__))
     return jobs
+
+
+EARLIER_MARGIN_S = 60.0
+"""How much older than its submission a file in a new job's folder must be to count as an earlier job's."""
+
+
+def _set_aside_earlier(job: submitit.Job, submitted_at: float) -> None:
+    """Move an earlier job's files out of the way of a new job with the same id.
+
+    Job ids start over: a development cluster started afresh numbers from 1 again, and a local job's id is a
+    process id, which the kernel reuses. submitit would read the earlier job's result as this one's (a job
+    "done" at once, with another job's result) and append to its logs. Files written before the submission
+    (with a margin for clocks) go to ``earlier-<time>/`` in the same folder, kept for whoever wants them.
+    """
+    folder = Path(str(job.paths.folder))
+    if not folder.is_dir():
+        return
+    stale = [
+        path
+        for path in folder.glob(f"{job.job_id}_*")
+        if path.is_file() and path.stat().st_mtime < submitted_at - EARLIER_MARGIN_S
+    ]
+    if not stale:
+        return
+    aside = folder / time.strftime("earlier-%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in stale)))
+    aside.mkdir(exist_ok=True)
+    for path in stale:
+        path.rename(aside / path.name)
+    log.warning("job %s: its folder held %d files of an earlier job %s; moved to %s", job.job_id, len(stale),
+                job.job_id, aside)  # fmt: skip
 
 
 @contextlib.contextmanager

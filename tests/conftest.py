@@ -143,8 +143,11 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, mpiexec) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def session_environment() -> None:
+def session_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
     """What every process the tests start sees, set before the first one starts.
+
+    Jobs submitted outside a test (by module and session fixtures) keep their folders in the session's own
+    directory, never in the user's ``~/.clipforge/jobs``: the test clusters number their jobs from 1 each time.
 
     DeepSpeed JIT-builds one op on its first init (20-40 s): it is kept for the whole run. It is built by the
     ``ninja`` first on PATH, and the venv's (1.13) and Debian's (1.11) record a build's command differently, so a
@@ -154,6 +157,7 @@ def session_environment() -> None:
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
     )
+    os.environ["CLIPFORGE_JOBS_DIR"] = str(tmp_path_factory.mktemp("session-jobs"))
     if not os.environ["PATH"].startswith(f"{VENV_BIN}:"):
         os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from clipforge.hpc import records
@@ -27,7 +28,6 @@ def test_the_local_executor_runs_the_same_job_with_two_ranks() -> None:
 
 
 def test_a_local_job_whose_rendezvous_port_is_taken_says_so_and_stops_its_other_task() -> None:
-    import os
     import socket
     import subprocess
     import sys
@@ -42,6 +42,31 @@ def test_a_local_job_whose_rendezvous_port_is_taken_says_so_and_stops_its_other_
     assert result.returncode != 0
     assert f"cannot listen on port {port} for the rendezvous: another process has it" in result.stderr
     assert "task 0 failed; stopping its other tasks" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_job_given_an_earlier_jobs_id_gets_its_own_result_and_logs(slurm, jobs_dir: Path) -> None:
+    import pickle
+    import subprocess
+    import time
+
+    # The ids the next jobs will get: a cluster started afresh numbers its jobs from 1 again.
+    last = int(subprocess.run(["sbatch", "--parsable", "--wrap", "true"], capture_output=True, text=True,
+                              check=True).stdout.split(";")[0])  # fmt: skip
+    old = time.time() - 3600
+    for job_id in range(last + 1, last + 6):  # an earlier job's finished files under each of them
+        folder = jobs_dir / str(job_id)
+        folder.mkdir(parents=True)
+        (folder / f"{job_id}_0_result.pkl").write_bytes(pickle.dumps(("success", {"earlier": True})))
+        (folder / f"{job_id}_0_log.err").write_text("an earlier job's log\n")
+        for path in folder.iterdir():
+            os.utime(path, (old, old))
+    result = run_script("clipforge.jobs.selftest", ["--cluster", "dev", "--ntasks-per-node", "1", "--wait", "True"])
+    assert result["world_size"] == 1 and result["source"] == "slurm", result  # its own, not the earlier one's
+    folder = jobs_dir / result["job_id"]
+    assert "an earlier job's log" not in (folder / f"{result['job_id']}_0_log.err").read_text()
+    (aside,) = folder.glob("earlier-*")
+    assert sorted(p.name for p in aside.iterdir()) == sorted([f"{result['job_id']}_0_log.err",
+                                                              f"{result['job_id']}_0_result.pkl"])  # fmt: skip
 
 
 def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> None:
