@@ -170,7 +170,7 @@ measured run these and test_preprocess.py left 395 core-seconds idle in 497 seco
 work (:func:`early`) needs CPU, so it takes the idle cores instead of the busy tests' time."""
 
 
-CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py")
+CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py", "test_ps.py")
 """The modules that check work run beside the rest of the suite (:func:`early`): last, so it is done by then."""
 
 
@@ -197,6 +197,8 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if "trained" in needs:
         work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
                    request.getfixturevalue("tiny_store"))  # fmt: skip
+    if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
+        work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
     yield work
     work.stop()
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from clipforge.hpc.distenv import free_port
+from clipforge.hpc.distenv import free_port, local_world
 from clipforge.preprocess.store import ClipStore
 
 if TYPE_CHECKING:
@@ -85,6 +85,25 @@ PS_TINY = [
     "--seed",
     "0",
 ]
+
+
+def ps_argv(store: Path, run: Path, servers: int, trainers: int, *extra: str, model: list[str] = PS_TINY) -> list[str]:
+    """One rank of the parameter-server job with ``servers`` servers and ``trainers`` trainers, PS_TINY's model."""
+    argv = [sys.executable, "-m", "clipforge.jobs.ps_train", "--data.store", str(store), "--run-dir", str(run)]
+    return [*argv, "--servers", str(servers), "--trainers", str(trainers), *model, *extra]
+
+
+PS_SYNC_STEPS, PS_SYNC_LR = 4, 0.05
+"""The synchronous run's steps and learning rate, which test_ps.py replays as data-parallel SGD."""
+PS_EARLY: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "async": (1, 2, ("--trainer.steps", "40", "--trainer.log-every", "1", "--server.optimizer", "adamw",
+                     "--server.lr", "0.001")),
+    "two-servers": (2, 2, ("--trainer.steps", "6")),
+    "sync": (1, 2, ("--server.mode", "sync", "--trainer.steps", str(PS_SYNC_STEPS), "--server.lr", str(PS_SYNC_LR))),
+    "ssp": (1, 2, ("--server.mode", "ssp", "--server.staleness", "1", "--trainer.steps", "16",
+                   "--trainer.slow-trainer", "1", "--trainer.slow-factor", "4")),
+}  # fmt: skip
+"""The parameter-server runs of test_ps.py that are only read once finished: name -> (servers, trainers, flags)."""
 
 
 def train_argv(mpiexec, store: Path, run_dir: Path, *extra: str, ranks: int = 2, steps: int = 12) -> list[str]:
@@ -316,6 +335,22 @@ def trainings(early: Early, mpiexec: list[str], store: Path) -> dict[str, Path]:
         # failed to start.
         process = early.process(f"train-{name}", argv, dict(env, TMPDIR=tempfile.mkdtemp(prefix="cf-mpi-")))
         assert process.wait(timeout=1800) == 0, (early.root / f"train-{name}.log").read_text()[-4000:]
+    return runs
+
+
+def ps_runs(early: Early, store: Path) -> dict[str, Path]:
+    """Every run of :data:`PS_EARLY`, one after another, a process per rank as Slurm or torchrun would start them;
+    their run directories once all ended well."""
+    runs = {}
+    for name, (servers, trainers, extra) in PS_EARLY.items():
+        runs[name] = early.root / "ps" / name
+        procs = [
+            early.process(f"ps-{name}-rank{rank}", ps_argv(store, runs[name], servers, trainers, *extra),
+                          {**early.env, **dist.as_environ()})
+            for rank, dist in enumerate(local_world(servers + trainers))
+        ]  # fmt: skip
+        for rank, process in enumerate(procs):
+            assert process.wait(timeout=600) == 0, (early.root / f"ps-{name}-rank{rank}.log").read_text()[-3000:]
     return runs
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,8 +18,8 @@ from clipforge.models.builders import architecture, load_trained
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.ps import worker
 
+from .helpers import PS_SYNC_LR, PS_SYNC_STEPS, ps_argv, rows
 from .helpers import PS_TINY as TINY
-from .helpers import rows
 
 
 def start(
@@ -32,25 +31,17 @@ def start(
     """
     procs = []
     for rank, dist in enumerate(local_world(servers + trainers)):
-        env = {**os.environ, **dist.as_environ()}
-        argv = [
-            sys.executable,
-            "-m",
-            "clipforge.jobs.ps_train",
-            "--data.store",
-            str(store),
-            "--run-dir",
-            str(run),
-            "--servers",
-            str(servers),
-            "--trainers",
-            str(trainers),
-            *model,
-            *extra,
-        ]
         log = open(run.parent / f"{run.name}-rank{rank}.log", "w")
-        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        argv = ps_argv(store, run, servers, trainers, *extra, model=model)
+        procs.append(subprocess.Popen(argv, env={**os.environ, **dist.as_environ()}, stdout=log,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
     return procs
+
+
+@pytest.fixture(scope="module")
+def ps_runs(early) -> dict[str, Path]:
+    """The runs that are only read once finished (helpers.PS_EARLY), run beside the rest of the suite."""
+    return early.result("ps")
 
 
 def finish(procs: list[subprocess.Popen], run: Path, timeout: float = 300) -> None:
@@ -59,12 +50,8 @@ def finish(procs: list[subprocess.Popen], run: Path, timeout: float = 300) -> No
         assert code == 0, (run.parent / f"{run.name}-rank{rank}.log").read_text()[-3000:]
 
 
-def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(
-    tiny_store: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
-    every_step = ["--trainer.steps", "40", "--trainer.log-every", "1"]
-    finish(start(tiny_store, run, 1, 2, *every_step, "--server.optimizer", "adamw", "--server.lr", "0.001"), run)
+def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(ps_runs) -> None:
+    run = ps_runs["async"]
     losses = [r["loss"] for r in rows(run, "train")]
     # Halves of 40 rows, not of 8: the two trainers' rows interleave as the server's timing falls,
     # and one tiny batch's loss swings by half its value (halves of 4 rows each once ended 1.59 after 1.47).
@@ -80,11 +67,8 @@ def test_one_server_two_async_trainers_lower_the_loss_and_leave_a_run_directory(
     assert record.parameter_server["updates"] == 80 and (run / "plots" / "curves.png").exists()
 
 
-def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(
-    tiny_store: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
-    finish(start(tiny_store, run, 2, 2, "--trainer.steps", "6"), run)
+def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(ps_runs) -> None:
+    run = ps_runs["two-servers"]
     final = load_file(str(run / "final" / "model.safetensors"))
     shards = [torch.load(run / "ps" / f"server-{k}.pt", weights_only=True)["params"] for k in range(2)]
     assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(final)
@@ -94,13 +78,8 @@ def test_two_servers_hold_each_parameter_once_and_the_assembled_model_is_theirs(
             assert torch.equal(final[name], value)
 
 
-def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    steps, lr = 4, 0.05
-    finish(
-        start(tiny_store, run, 1, 2, "--server.mode", "sync", "--trainer.steps", str(steps), "--server.lr", str(lr)),
-        run,
-    )
+def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, ps_runs) -> None:
+    run, steps, lr = ps_runs["sync"], PS_SYNC_STEPS, PS_SYNC_LR
     arch = architecture("videovit-tiny", 6, 8, 32, depth=1, tubelet=(2, 8, 8))
     model = arch.build(seed=0)
     dataset = ClipDataset(tiny_store, "train")
@@ -124,27 +103,8 @@ def test_sync_mode_is_data_parallel_sgd(tiny_store: Path, tmp_path: Path) -> Non
         assert torch.allclose(final[name], value, atol=1e-5), name
 
 
-def test_ssp_never_applies_an_update_staler_than_its_bound(tiny_store: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    finish(
-        start(
-            tiny_store,
-            run,
-            1,
-            2,
-            "--server.mode",
-            "ssp",
-            "--server.staleness",
-            "1",
-            "--trainer.steps",
-            "16",
-            "--trainer.slow-trainer",
-            "1",
-            "--trainer.slow-factor",
-            "4",
-        ),
-        run,
-    )
+def test_ssp_never_applies_an_update_staler_than_its_bound(ps_runs) -> None:
+    run = ps_runs["ssp"]
     summary = rows(run, "ps")[0]
     assert summary["max_clock_gap"] <= 1
     assert summary["clocks"] == {"trainer0": 16, "trainer1": 16}
