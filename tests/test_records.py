@@ -50,8 +50,8 @@ def test_a_job_given_an_earlier_jobs_id_gets_its_own_result_and_logs(slurm, jobs
     import time
 
     # The ids the next jobs will get: a cluster started afresh numbers its jobs from 1 again.
-    last = int(subprocess.run(["sbatch", "--parsable", "--wrap", "true"], capture_output=True, text=True,
-                              check=True).stdout.split(";")[0])  # fmt: skip
+    sbatch = ["sbatch", "--parsable", "--output", "/dev/null", "--wrap", "true"]
+    last = int(subprocess.run(sbatch, capture_output=True, text=True, check=True).stdout.split(";")[0])
     old = time.time() - 3600
     for job_id in range(last + 1, last + 6):  # an earlier job's finished files under each of them
         folder = jobs_dir / str(job_id)
