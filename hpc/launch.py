@@ -276,14 +276,14 @@ def _follow(job: submitit.Job, stop_on_failure: bool = False) -> None:
         failed = _failed_task(job) if stop_on_failure else None
         if failed is not None:
             log.error("job %s: task %d failed; stopping its other tasks", job.job_id, failed)
-            _interrupt_tasks(job)
+            _stop_tasks(job)
             stop_on_failure = False
         time.sleep(1.0)
     echo()
 
 
-def _interrupt_tasks(job: submitit.Job) -> None:
-    """SIGINT to the tasks of a local job (the processes running ``submitit.core._submit`` under it).
+def _stop_tasks(job: submitit.Job) -> None:
+    """Stop the tasks of a local job (the processes running ``submitit.core._submit`` under it).
 
     Not ``job.cancel()``: that interrupts submitit's controller, whose traceback lands on the terminal. Once
     its tasks have exited, the controller ends on its own and the job's results say what failed.
