@@ -47,6 +47,7 @@ from clipforge.base.logs import ERROR_PREFIX, failure_reason, setup_logging
 from .distenv import LaunchError, free_port
 from .executor import job_logs, make_executor, submit
 from .mpi import mpiexec_command
+from .processes import process_alive, process_tree
 from .profile import ClusterProfile, load_profile
 from .requeue import RequeueableJob
 from .resources import Resources
@@ -288,20 +289,8 @@ def _stop_tasks(job: submitit.Job) -> None:
     Not ``job.cancel()``: that interrupts submitit's controller, whose traceback lands on the terminal. Once
     its tasks have exited, the controller ends on its own and the job's results say what failed.
     """
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # gone meanwhile
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    under, grew = {int(job.job_id)}, True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in under} - under
-        under |= more
-        grew = bool(more)
     tasks = []
-    for pid in under:
+    for pid in process_tree(int(job.job_id)):
         try:
             if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 tasks.append(pid)
@@ -315,7 +304,7 @@ def _stop_tasks(job: submitit.Job) -> None:
             except OSError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in tasks):
+        while time.monotonic() < deadline and any(process_alive(pid) for pid in tasks):
             time.sleep(0.1)
 
 

@@ -21,7 +21,7 @@ from clipforge.base.files import write_json
 from clipforge.base.logs import failure_reason
 
 from .executor import RECORD, job_logs, jobs_root
-from .processes import process_alive
+from .processes import process_alive, process_tree
 
 POLL_INTERVAL_S = 30.0
 ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED")
@@ -141,7 +141,7 @@ def cancel(record: JobRecord) -> None:
     else:
         # submitit's tasks ignore SIGTERM (they wait for USR2), and the local controller shares our
         # process group: kill the controller's own process tree, tasks first.
-        for pid in reversed(_process_tree(int(record.job_id))):
+        for pid in reversed(process_tree(int(record.job_id))):
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
@@ -155,23 +155,6 @@ def _state_from_results(record: JobRecord) -> str | None:
         return None
     outcomes = [pickle.loads(p.read_bytes())[0] for p in results]  # our own job's files
     return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and its descendants, parents before children."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, queue = [], [root]
-    while queue:
-        pid = queue.pop(0)
-        tree.append(pid)
-        queue.extend(children.get(pid, []))
-    return tree
 
 
 def _pid_alive(job_id: str) -> bool:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from clipforge.hpc.distenv import free_port, local_world
+from clipforge.hpc.processes import process_tree
 from clipforge.preprocess.store import ClipStore
 
 if TYPE_CHECKING:
@@ -376,17 +377,6 @@ def federation_argv(store: Path, run: Path, *extra: str, clients: int = 2) -> li
     """A local federation of ``clients`` with the tiny model."""
     argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
     return [*argv, "--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass  # the thread ended
-    return [pid] + [p for c in children for p in process_tree(c)]
 
 
 def kill_tree(pid: int) -> None:
