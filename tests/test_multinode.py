@@ -75,16 +75,6 @@ def wait_for(ready, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def two_node_run(multinode: LocalCluster, tiny_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("two-nodes") / "run"
-    job = sbatch_train(multinode, tiny_store, run)
-    wait_for_job(multinode, job)
-    log = (run.parent / "run.out").read_text()
-    assert (run / "final" / "model.safetensors").exists(), log[-3000:]
-    return run
-
-
 def test_srun_over_three_nodes_gives_one_master_distinct_ranks_and_local_ranks_per_node(
     multinode: LocalCluster,
 ) -> None:
@@ -111,27 +101,10 @@ def test_srun_over_three_nodes_gives_one_master_distinct_ranks_and_local_ranks_p
     assert {total for _, _, _, total in seen.values()} == {"21"}  # 1 + 2 + ... + 6 over every node
 
 
-def test_sbatch_of_training_on_two_nodes_trains_like_four_ranks_on_one_and_learns(
-    two_node_run: Path, mpiexec, tiny_store: Path, tmp_path: Path
+def test_a_two_node_training_that_loses_a_node_is_requeued_and_trains_like_four_ranks_on_one_node(
+    multinode: LocalCluster, mpiexec, tiny_store: Path, tmp_path: Path
 ) -> None:
-    log = (two_node_run.parent / "run.out").read_text()
-    assert "re-launching under srun with 4 tasks" in log
-    one_node = tmp_path / "one-node"
-    argv = [*mpiexec, "-n", "4", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
-    result = subprocess.run([*argv, *train_args(tiny_store, one_node)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = losses(two_node_run), losses(one_node)
-    assert sorted(a) == list(range(1, STEPS + 1))
-    assert all(abs(a[s] - b[s]) < 1e-3 for s in a), (a, b)
-    # 40 steps of ZeRO-2 learn: the final weights fit the training clips better than the start (1.82 -> 1.00).
-    assert np.mean([a[s] for s in range(36, 41)]) < np.mean([a[s] for s in range(1, 6)]), a
-    before, after = training_clips_loss(tiny_store, two_node_run / "final" / "model.safetensors")
-    assert after < 0.9 * before, (before, after)
-
-
-def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_run(
-    multinode: LocalCluster, two_node_run: Path, tiny_store: Path, tmp_path: Path
-) -> None:
+    """One run checks both: its steps before the kill ran on two nodes, those after on the two left."""
     run = tmp_path / "run"
     job = sbatch_train(multinode, tiny_store, run, "--requeue", "--open-mode=append")
     env = multinode_env(multinode)
@@ -145,11 +118,22 @@ def test_a_node_killed_mid_training_is_requeued_resumed_and_finishes_the_same_ru
     finally:
         multinode.start_node(victim)  # ReturnToService=2: the node is IDLE again at once
     log = (tmp_path / "run.out").read_text()
+    assert "re-launching under srun with 4 tasks" in log
     assert "resumed from checkpoint step-000000" in log and "(restart 1)" in log, log[-3000:]
     assert f"Node failure on {victim}" in log or "NODE_FAIL" in log or "node failure" in log.lower(), log[-3000:]
-    # Nothing lost: every step is there, and the resumed steps are those of the run that never stopped.
-    assert losses(run) == losses(two_node_run)
-    assert (run / "final" / "model.safetensors").exists()
+    # Nothing lost: every step is there, and every step, before the kill and after, is the step of four ranks
+    # on one node that never stopped.
+    one_node = tmp_path / "one-node"
+    argv = [*mpiexec, "-n", "4", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
+    result = subprocess.run([*argv, *train_args(tiny_store, one_node)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = losses(run), losses(one_node)
+    assert sorted(a) == list(range(1, STEPS + 1))
+    assert all(abs(a[s] - b[s]) < 1e-3 for s in a), (a, b)
+    # 40 steps of ZeRO-2 learn: the final weights fit the training clips better than the start (1.82 -> 1.00).
+    assert np.mean([a[s] for s in range(36, 41)]) < np.mean([a[s] for s in range(1, 6)]), a
+    before, after = training_clips_loss(tiny_store, run / "final" / "model.safetensors")
+    assert after < 0.9 * before, (before, after)
     # `clipforge jobs status` shows the requeue: a run ended by the node failure, then the one that finished.
     cli = [sys.executable, "-m", "clipforge.jobs.cli", "jobs", "status", job]
     status = json.loads(subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout)
