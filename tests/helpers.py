@@ -52,6 +52,27 @@ def multinode_env(cluster: LocalCluster) -> dict[str, str]:
     return dict(os.environ, **cluster.env, PATH=f"{VENV_BIN}:{os.environ['PATH']}")
 
 
+def sbatch_wait(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``sbatch --wait ARGV`` as a test needs it: the job's exit code as ``returncode``, sbatch's own output.
+
+    ``sbatch --wait`` looks at the job 2 s after submitting it, then 8 s later, then every 32 s, so a job of 3 s
+    took 10 s and one of 11 s took 42. This asks slurmctld every 0.2 s instead.
+    """
+    submitted = subprocess.run(["sbatch", "--parsable", *argv], capture_output=True, text=True, env=env, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, env=env).stdout
+        fields = dict(item.split("=", 1) for item in shown.split() if "=" in item)
+        if fields.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", None):
+            break
+        assert time.monotonic() < deadline, f"job {job} still {fields.get('JobState')} after {timeout:.0f} s"
+        time.sleep(0.2)
+    code, signal_number = (int(n) for n in fields["ExitCode"].split(":"))
+    returncode = code or (128 + signal_number if signal_number else int(fields["JobState"] != "COMPLETED"))
+    return subprocess.CompletedProcess(submitted.args, returncode, submitted.stdout, submitted.stderr)
+
+
 # -- the tiny training run ----------------------------------------------------------------
 
 TINY_MODEL = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8"]

@@ -19,7 +19,7 @@ from clipforge.models.prediction import PredictionLog
 from clipforge.models.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly
 
-from .helpers import losses
+from .helpers import losses, options, sbatch_wait
 
 
 @pytest.fixture(scope="module")
@@ -183,13 +183,10 @@ def test_sbatch_of_predict_spreads_a_manifest_over_two_slurm_tasks(
     manifest = manifest_of(tiny_store, tmp_path / "videos", copies=1)
     out = tmp_path / "predictions.jsonl"
     script = Path(__file__).resolve().parents[1] / "jobs" / "predict.py"
-    result = subprocess.run(
-        ["sbatch", "--wait", "--ntasks-per-node=2", f"--output={tmp_path / 'slurm-%j.out'}", str(script)]
-        + ["--manifest", str(manifest), "--out", str(out), "--run", str(cropped_run), "--workers", "0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = sbatch_wait(
+        "--ntasks-per-node=2", f"--output={tmp_path / 'slurm-%j.out'}", str(script),
+        *options(manifest=manifest, out=out, run=cropped_run, workers=0),
+    )  # fmt: skip
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert result.returncode != 0, result.stderr + log[-3000:]  # two of the videos cannot be classified
     assert "clipforge: error: 2 of " in log and "Traceback" not in log, log[-3000:]

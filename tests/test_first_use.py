@@ -19,7 +19,7 @@ from clipforge.hpc.profile import ProfileError, load_profile
 from clipforge.hpc.resources import Resources
 from clipforge.preprocess import synthetic
 
-from .helpers import options
+from .helpers import options, sbatch_wait
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -116,9 +116,7 @@ def test_a_job_file_run_by_a_python_without_clipforge_says_which_in_one_line(tmp
 @pytest.mark.slurm
 def test_sbatch_from_a_shell_without_the_environment_says_so_in_the_slurm_output(slurm, tmp_path: Path) -> None:
     env = environment_without_clipforge()
-    result = user_runs(
-        "sbatch", "--wait", f"--output={tmp_path / 'slurm-%j.out'}", str(REPO / "jobs" / "train.py"), env=env
-    )
+    result = sbatch_wait(f"--output={tmp_path / 'slurm-%j.out'}", str(REPO / "jobs" / "train.py"), env=env)
     assert result.returncode != 0
     log = next(tmp_path.glob("slurm-*.out")).read_text()
     assert log.startswith(f"clipforge: error: {SYSTEM_PYTHON} cannot run this job") and log.count("\n") == 1, log

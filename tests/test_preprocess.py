@@ -23,7 +23,7 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.preprocess.store_format import StoreError
 
-from .helpers import assert_same_store, clips_in_index_order, multinode_env, options, pack_argv
+from .helpers import assert_same_store, clips_in_index_order, multinode_env, options, pack_argv, sbatch_wait
 
 BROKEN = {"move_left/corrupt.mp4", "move_left/not_a_video.mp4", "move_left/truncated.mp4", "move_left/zero_bytes.mp4"}
 
@@ -294,32 +294,8 @@ def test_sbatch_runs_the_packing_job_as_mpi_ranks_under_srun(
     slurm, corpus: Path, clean_store: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "store"
-    result = subprocess.run(
-        [
-            "sbatch",
-            "--wait",
-            "--ntasks=2",
-            f"--output={tmp_path / 'slurm.out'}",
-            str(PACK_SCRIPT),
-            "--videos",
-            str(corpus),
-            "--out",
-            str(out),
-            "--clip-frames",
-            "8",
-            "--height",
-            "32",
-            "--width",
-            "32",
-            "--clips-per-video",
-            "3",
-            "--max-shard-clips",
-            "12",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
+    result = sbatch_wait("--ntasks=2", f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT), *flags)
     log = (tmp_path / "slurm.out").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "re-launching under srun with 2 tasks" in log
@@ -342,14 +318,10 @@ def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
 ) -> None:
     out = tmp_path / "store"
     flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
-    result = subprocess.run(
-        ["sbatch", "--wait", "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT)]
-        + flags,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = sbatch_wait(
+        "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT), *flags,
         env=multinode_env(multinode),
-    )
+    )  # fmt: skip
     log = (tmp_path / "slurm.out").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "re-launching under srun with 3 tasks" in log

@@ -18,7 +18,7 @@ from clipforge.hpc.launch import run_script
 from clipforge.hpc.profile import load_profile
 from clipforge.hpc.resources import Resources
 
-from .helpers import options
+from .helpers import options, sbatch_wait
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,24 +55,8 @@ def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None
 
 def test_sbatch_of_a_job_script_relaunches_it_under_srun_with_the_jobs_tasks(slurm, tmp_path: Path) -> None:
     out = tmp_path / "slurm-%j.out"
-    result = subprocess.run(
-        [
-            "sbatch",
-            "--wait",
-            "--ntasks=2",
-            f"--output={out}",
-            str(REPO / "jobs" / "selftest.py"),
-            "--steps",
-            "2",
-            "--step-seconds",
-            "0.2",
-            "--state-dir",
-            str(tmp_path / "state"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    state = options(steps=2, step_seconds=0.2, state_dir=tmp_path / "state")
+    result = sbatch_wait("--ntasks=2", f"--output={out}", str(REPO / "jobs" / "selftest.py"), *state)
     assert result.returncode == 0, result.stderr
     log = next(tmp_path.glob("slurm-*.out")).read_text()
     assert "re-launching under srun with 2 tasks" in log
