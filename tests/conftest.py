@@ -196,9 +196,12 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
     if "trained" in needs:
         work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
-                   request.getfixturevalue("tiny_store"))  # fmt: skip
+                   request.getfixturevalue("tiny_store"), helpers.EARLY_TRAININGS)  # fmt: skip
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
         work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
+    if "late_trained" in needs:
+        work.start("late-trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
+                   request.getfixturevalue("tiny_store"), helpers.LATE_TRAININGS)  # fmt: skip
     yield work
     work.stop()
 
@@ -225,6 +228,12 @@ def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submi
 def trained(early) -> dict[str, Path]:
     """The runs that tests only read once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
     return early.result("trainings")
+
+
+@pytest.fixture(scope="session")
+def late_trained(early) -> dict[str, Path]:
+    """The runs of helpers.LATE_TRAININGS, trained beside the suite's last minutes."""
+    return early.result("late-trainings")
 
 
 @pytest.fixture(scope="session")

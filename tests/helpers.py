@@ -344,12 +344,32 @@ EARLY_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
 """The runs of test_train and test_evaluate that are only read once finished: name -> (flags beside TINY's, ranks,
 steps)."""
 
+MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--mae.no-norm-pixels", "--optim.lr", "2e-3"]
+MAE += ["--optim.warmup-steps", "2", "--eval-every", "15", "--checkpoint-every", "10", "--data.workers", "0"]
+"""test_pretrain.py's pretraining (on raw pixels: see its last test), evaluated twice and checkpointed at step 10."""
+MAE_STEPS = 30
+RESHARDED = ("--parallel.zero-stage", "2", "--checkpoint-every", "4", "--batch-per-rank", "2", "--elastic-min-nodes",
+             "1", *LOCAL)  # fmt: skip
+"""The flags of test_train.py's run that 4 ranks start and 2 ranks resume."""
+LATE_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
+    # The uninterrupted pretraining that test_pretrain.py's requeued Slurm job must equal.
+    "mae": (tuple(MAE), 2, MAE_STEPS),
+    # The 4-rank start that test_train.py resumes on 2 ranks from its step 4.
+    "four-ranks": ((*RESHARDED, "--keep-checkpoints", "3"), 4, 12),
+}
+"""Runs read by the last modules before those that check the early work (test_pretrain.py, test_train.py), trained
+after :data:`EARLY_TRAININGS` and the parameter-server runs, beside the suite's last minutes, in which one test at
+a time mostly leaves a core idle: same form."""
 
-def trainings(early: Early, mpiexec: list[str], store: Path) -> dict[str, Path]:
-    """Every run of :data:`EARLY_TRAININGS`, one after another; their run directories once all ended well."""
+
+def trainings(
+    early: Early, mpiexec: list[str], store: Path, wanted: dict[str, tuple[tuple[str, ...], int, int]]
+) -> dict[str, Path]:
+    """Every run of ``wanted`` (:data:`EARLY_TRAININGS` or :data:`LATE_TRAININGS`), one after another; their run
+    directories once all ended well."""
     env, runs = early.own_extensions(), {}
-    (early.root / "trainings").mkdir()
-    for name, (extra, ranks, steps) in EARLY_TRAININGS.items():
+    (early.root / "trainings").mkdir(exist_ok=True)
+    for name, (extra, ranks, steps) in wanted.items():
         runs[name] = early.root / "trainings" / name
         argv = train_argv(mpiexec, store, runs[name], *extra, ranks=ranks, steps=steps)
         # mpiexec's session folder is TMPDIR/ompi.PID: a fresh TMPDIR each. PIDs wrap around (at 32768 here) within

@@ -23,7 +23,7 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-from .helpers import LOCAL, TINY, TINY_TRAINING, losses, train
+from .helpers import LOCAL, RESHARDED, TINY, TINY_TRAINING, losses, train
 
 # The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips
 # (LOCAL); the other runs shuffle globally.
@@ -147,27 +147,16 @@ def test_a_second_training_job_on_a_run_directory_is_refused_in_one_line(
 
 
 def test_a_run_resumed_on_fewer_ranks_reshards_zero_and_keeps_the_global_batch(
-    mpiexec, tiny_store: Path, tmp_path: Path, zero_runs
+    mpiexec, tiny_store: Path, tmp_path: Path, zero_runs, late_trained
 ) -> None:
     """4 ranks x 2 clips, resumed from step 4 on 2 ranks: 2 micro-batches of 2 each step, the same clips."""
     import shutil
 
-    run = tmp_path / "run"
-    args = (
-        "--parallel.zero-stage",
-        "2",
-        "--checkpoint-every",
-        "4",
-        "--batch-per-rank",
-        "2",
-        "--elastic-min-nodes",
-        "1",
-        *LOCAL,
-    )
-    train(mpiexec, tiny_store, run, *args, "--keep-checkpoints", "3", ranks=4)
-    for later in ("step-00000008", "step-00000012"):  # as if the 4-rank job had died after step 4
+    run = tmp_path / "run"  # a copy of the 4-rank run (helpers.LATE_TRAININGS), as if its job had died after step 4
+    shutil.copytree(late_trained["four-ranks"], run, symlinks=True)
+    for later in ("step-00000008", "step-00000012"):
         shutil.rmtree(run / "checkpoints" / later)
-    result = train(mpiexec, tiny_store, run, *args, ranks=2)
+    result = train(mpiexec, tiny_store, run, *RESHARDED, ranks=2)
     assert "written by 4 data-parallel ranks, this job has 2: gradient accumulation 1 -> 2" in result.stderr
     assert "resumed from checkpoint step-00000004 at step 4, resharded" in result.stderr
     # The same clips each step (positions of the global batch): the 2-rank run of 4 clips per rank is the reference.
