@@ -103,6 +103,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def given_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """``MASTER_PORT`` as whoever started this process set it, or None where it is unset or empty.
+
+    Anything but a port number is refused in one line here; taken as it is, it would fail at the rendezvous, on
+    every rank, as a traceback.
+    """
+    value = (os.environ if environ is None else environ).get("MASTER_PORT", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise LaunchError(f"MASTER_PORT={value!r} is not a port number: set it to a free TCP port or unset it")
+    return int(value)
+
+
 def local_world(world_size: int, port: int | None = None) -> list[DistEnv]:
     """The ranks of ``world_size`` processes on this host, numbered as torchrun would number them."""
     port = port or free_port()
@@ -124,7 +138,7 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             int(env["WORLD_SIZE"]),
             int(env["LOCAL_RANK"]),
             env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
+            given_port(env) or 29500,
             env.get("SLURM_JOB_ID"),
             restarts,
             "torchrun",
@@ -150,7 +164,7 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_rank=int(env["SUBMITIT_LOCAL_LOCALID"]),
             master_addr="127.0.0.1",
             # Set by the submitter (clipforge.hpc.launch.local_port), checked free; derived for older submissions.
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else master_port(job_id),
+            master_port=given_port(env) or master_port(job_id),
             job_id=job_id,
             source="submitit-local",
         )
@@ -164,10 +178,10 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                 world_size=int(env[size_key]),
                 local_rank=int(env.get(local_key, env[rank_key])),
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(env.get("MASTER_PORT", 29500)),
+                master_port=given_port(env) or 29500,
                 source="mpi",
             )
-    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), source="single")
+    return DistEnv(0, 1, 0, "127.0.0.1", given_port(env) or 29500, source="single")
 
 
 def setup_distributed(environ: MutableMapping[str, str] | None = None) -> DistEnv:

@@ -44,7 +44,7 @@ import submitit
 from clipforge.base.errors import UserError
 from clipforge.base.logs import ERROR_PREFIX, failure_reason, setup_logging
 
-from .distenv import LaunchError, free_port
+from .distenv import LaunchError, free_port, given_port
 from .executor import job_logs, make_executor, submit
 from .mpi import mpiexec_command
 from .processes import process_alive, process_tree
@@ -222,8 +222,7 @@ def local_port(environ: dict[str, str] | None = None) -> int:
     local tasks share this host with whatever else listens on it, so the port is checked free at submission
     instead of derived (a derived one can be taken, and the job then fails at its rendezvous).
     """
-    env = os.environ if environ is None else environ
-    return int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else free_port()
+    return given_port(environ) or free_port()
 
 
 def job_failure(job: submitit.Job, fallback: str = "") -> str:

@@ -87,6 +87,21 @@ def test_a_local_job_takes_the_submitters_master_port_or_one_free_now() -> None:
         sock.bind(("127.0.0.1", port))  # free: nothing listens there
 
 
+@pytest.mark.parametrize("value", ["29500x", "-1", "70000", "0"])
+def test_a_master_port_that_is_no_port_number_is_refused_in_one_line(value: str) -> None:
+    from clipforge.hpc.launch import local_port
+
+    slurm = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    for env in ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}, {}, {"SUBMITIT_LOCAL_JOB_ID": "7"}):
+        with pytest.raises(LaunchError, match=f"MASTER_PORT='{value}' is not a port number: set it to a free"):
+            dist_env({**env, "MASTER_PORT": value, "SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_NTASKS": "1",
+                      "SUBMITIT_LOCAL_LOCALID": "0"})  # fmt: skip
+    with pytest.raises(LaunchError, match="is not a port number"):
+        local_port({"MASTER_PORT": value})
+    # A Slurm step derives its port from the job id and never reads MASTER_PORT.
+    assert dist_env({**slurm, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "MASTER_PORT": value}).rank == 0
+
+
 def test_mpiexec_ranks() -> None:
     dist = dist_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
     assert (dist.rank, dist.world_size, dist.local_rank, dist.source) == (1, 4, 1, "mpi")
