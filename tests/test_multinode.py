@@ -53,7 +53,10 @@ def sbatch_train(
     argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"]
     argv += [f"--output={run.parent / (run.name + '.out')}", *sbatch]
     argv += [str(REPO / "jobs" / "train.py"), *train_args(store, run), *train]
-    result = subprocess.run(argv, capture_output=True, text=True, env=multinode_env(cluster), check=True)
+    # One thread a rank, as mpiexec's ranks have (the references): a loss's last bits depend on how many threads
+    # summed it.
+    env = dict(multinode_env(cluster), OMP_NUM_THREADS="1")
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
     return result.stdout.strip().split(";")[0]
 
 
@@ -121,15 +124,14 @@ def test_a_two_node_training_that_loses_a_node_is_requeued_and_trains_like_four_
     assert "re-launching under srun with 4 tasks" in log
     assert "resumed from checkpoint step-000000" in log and "(restart 1)" in log, log[-3000:]
     assert f"Node failure on {victim}" in log or "NODE_FAIL" in log or "node failure" in log.lower(), log[-3000:]
-    # Nothing lost: every step is there, and every step, before the kill and after, is the step of four ranks
-    # on one node that never stopped.
+    # Nothing lost: every step is there, and every step, before the kill and after, is bitwise the step of four
+    # ranks on one node that never stopped.
     one_node = tmp_path / "one-node"
     argv = [*mpiexec, "-n", "4", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
     result = subprocess.run([*argv, *train_args(tiny_store, one_node)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = losses(run), losses(one_node)
-    assert sorted(a) == list(range(1, STEPS + 1))
-    assert all(abs(a[s] - b[s]) < 1e-3 for s in a), (a, b)
+    assert sorted(a) == list(range(1, STEPS + 1)) and a == b, (a, b)
     # 40 steps of ZeRO-2 learn: the final weights fit the training clips better than the start (1.82 -> 1.00).
     assert np.mean([a[s] for s in range(36, 41)]) < np.mean([a[s] for s in range(1, 6)]), a
     before, after = training_clips_loss(tiny_store, run / "final" / "model.safetensors")
