@@ -103,16 +103,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def given_port(environ: Mapping[str, str] | None = None) -> int | None:
-    """``MASTER_PORT`` as whoever started this process set it, or None where it is unset or empty.
+def given_port(environ: Mapping[str, str] | None = None, default: int | None = None) -> int | None:
+    """``MASTER_PORT`` as whoever started this process set it, or ``default`` where it is unset or empty.
 
     Anything but a port number is refused in one line here; taken as it is, it would fail at the rendezvous, on
     every rank, as a traceback.
     """
     value = (os.environ if environ is None else environ).get("MASTER_PORT", "").strip()
     if not value:
-        return None
-    if not value.isdigit() or not 0 < int(value) < 65536:
+        return default
+    if not value.isdigit() or int(value) > 65535:
         raise LaunchError(f"MASTER_PORT={value!r} is not a port number: set it to a free TCP port or unset it")
     return int(value)
 
@@ -138,7 +138,7 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             int(env["WORLD_SIZE"]),
             int(env["LOCAL_RANK"]),
             env["MASTER_ADDR"],
-            given_port(env) or 29500,
+            given_port(env, 29500),
             env.get("SLURM_JOB_ID"),
             restarts,
             "torchrun",
@@ -164,7 +164,7 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_rank=int(env["SUBMITIT_LOCAL_LOCALID"]),
             master_addr="127.0.0.1",
             # Set by the submitter (clipforge.hpc.launch.local_port), checked free; derived for older submissions.
-            master_port=given_port(env) or master_port(job_id),
+            master_port=given_port(env, master_port(job_id)),
             job_id=job_id,
             source="submitit-local",
         )
@@ -178,18 +178,62 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                 world_size=int(env[size_key]),
                 local_rank=int(env.get(local_key, env[rank_key])),
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=given_port(env) or 29500,
+                master_port=given_port(env, 29500),
                 source="mpi",
             )
-    return DistEnv(0, 1, 0, "127.0.0.1", given_port(env) or 29500, source="single")
+    return DistEnv(0, 1, 0, "127.0.0.1", given_port(env, 29500), source="single")
 
 
 def setup_distributed(environ: MutableMapping[str, str] | None = None) -> DistEnv:
-    """Derive the distributed environment and export the five variables."""
+    """Derive the distributed environment and export the five variables; in this process's own environment, also
+    take this rank's share of the cores (:func:`share_cores`)."""
     env = os.environ if environ is None else environ
     dist = dist_env(env)
     env.update(dist.as_environ())
+    if environ is None:  # this process's own environment: its threads too
+        share_cores()
     return dist
+
+
+def ranks_on_this_node(environ: Mapping[str, str] | None = None) -> int:
+    """How many ranks of this job run on this node, by whatever launched them; 1 when nothing says."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SUBMITIT_LOCAL_NTASKS"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    # Slurm: "2(x3),1" is two tasks on each of the first three nodes, then one; SLURM_NODEID picks this node's.
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in filter(None, layout.split(",")):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    node = int(env.get("SLURM_NODEID", 0) or 0)
+    return counts[node] if node < len(counts) else max(counts, default=1)
+
+
+def share_cores(environ: MutableMapping[str, str] | None = None, ranks: int | None = None) -> int:
+    """Give this rank its share of the CPU threads, as ``torchrun`` does; returns the threads it keeps.
+
+    A rank that sees every core of its node (no Slurm CPU binding, the local executor) would otherwise start
+    as many threads as the node has cores, and N ranks would run N times that many: two ranks of two threads
+    each on two cores took five times as long per step as two of one thread. ``OMP_NUM_THREADS``, where it is
+    set, wins; ``SLURM_CPUS_PER_TASK`` bounds a task; a rank bound to fewer cores than the node has keeps
+    them all. The value is exported, so the rank's own child processes inherit it. ``ranks`` counts the
+    processes that share the node where the launcher does not know them (a one-task federation's clients).
+    """
+    import torch
+
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    threads = cores if cores < (os.cpu_count() or cores) else max(1, cores // (ranks or ranks_on_this_node(env)))
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        threads = min(threads, int(env["SLURM_CPUS_PER_TASK"]))
+    threads = min(threads, torch.get_num_threads())  # never more than torch chose (Open MPI's ranks start with 1)
+    torch.set_num_threads(threads)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return threads
 
 
 def check_mpi_world(comm_size: int, environ: Mapping[str, str] | None = None) -> None:

@@ -222,7 +222,8 @@ def local_port(environ: dict[str, str] | None = None) -> int:
     local tasks share this host with whatever else listens on it, so the port is checked free at submission
     instead of derived (a derived one can be taken, and the job then fails at its rendezvous).
     """
-    return given_port(environ) or free_port()
+    port = given_port(environ)
+    return free_port() if port is None else port
 
 
 def job_failure(job: submitit.Job, fallback: str = "") -> str:

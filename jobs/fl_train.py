@@ -50,7 +50,7 @@ from typing import Annotated, Literal
 import tyro
 
 from clipforge.base.logs import setup_logging
-from clipforge.hpc.distenv import dist_env, free_port
+from clipforge.hpc.distenv import dist_env, free_port, share_cores
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
@@ -247,6 +247,7 @@ def node_config(cfg: Config, index: int) -> dict[str, object]:
 
 def main(cfg: Config) -> dict | None:
     env = dist_env()
+    share_cores(ranks=cfg.clients if env.world_size == 1 else None)  # the clients' processes inherit the threads
     setup_logging(env.rank if env.world_size > 1 else None)
     if env.world_size not in (1, cfg.clients + 1):
         raise FlowerError(

@@ -36,7 +36,7 @@ from typing import Annotated
 import tyro
 
 from clipforge.base.logs import setup_logging
-from clipforge.hpc.distenv import dist_env
+from clipforge.hpc.distenv import dist_env, share_cores
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
@@ -75,6 +75,7 @@ def check(cfg: Config) -> None:
 
 def main(cfg: Config) -> dict | None:
     env = dist_env()
+    share_cores()
     setup_logging(env.rank)
     if env.rank == 0:
         RunDir(cfg.run_dir).write_config(config.to_dict(cfg))

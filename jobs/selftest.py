@@ -123,6 +123,7 @@ def main(cfg: Config) -> dict:
         "source": env.source,
         "restart_count": env.restart_count,
         "all_reduce": value.item(),
+        "threads": torch.get_num_threads(),
         "start_step": start,
         "final_step": step,
         "environ": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},

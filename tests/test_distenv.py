@@ -14,6 +14,7 @@ from clipforge.hpc.distenv import (
     dist_env,
     expand_nodelist,
     master_port,
+    ranks_on_this_node,
     setup_distributed,
     task_device,
 )
@@ -87,7 +88,16 @@ def test_a_local_job_takes_the_submitters_master_port_or_one_free_now() -> None:
         sock.bind(("127.0.0.1", port))  # free: nothing listens there
 
 
-@pytest.mark.parametrize("value", ["29500x", "-1", "70000", "0"])
+def test_the_ranks_on_this_node_come_from_the_launcher() -> None:
+    slurm = {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
+    assert [ranks_on_this_node({**slurm, "SLURM_NODEID": str(n)}) for n in range(4)] == [2, 2, 2, 1]
+    assert ranks_on_this_node({"SLURM_TASKS_PER_NODE": "4"}) == 4  # a batch script, outside any step
+    assert ranks_on_this_node({**slurm, "LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun inside an allocation
+    assert ranks_on_this_node({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == 3
+    assert ranks_on_this_node({"SUBMITIT_LOCAL_NTASKS": "2"}) == 2 and ranks_on_this_node({}) == 1
+
+
+@pytest.mark.parametrize("value", ["29500x", "-1", "70000"])
 def test_a_master_port_that_is_no_port_number_is_refused_in_one_line(value: str) -> None:
     from clipforge.hpc.launch import local_port
 
@@ -98,7 +108,14 @@ def test_a_master_port_that_is_no_port_number_is_refused_in_one_line(value: str)
                       "SUBMITIT_LOCAL_LOCALID": "0"})  # fmt: skip
     with pytest.raises(LaunchError, match="is not a port number"):
         local_port({"MASTER_PORT": value})
-    # A Slurm step derives its port from the job id and never reads MASTER_PORT.
+    # 0 is a port number (the system picks one), and a Slurm step derives its port from the job id, never reading
+    # MASTER_PORT.
+    assert (
+        dist_env(
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "0"}
+        ).master_port
+        == 0
+    )
     assert dist_env({**slurm, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "MASTER_PORT": value}).rank == 0
 
 

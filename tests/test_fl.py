@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -75,7 +76,16 @@ def test_secagg_plus_gives_fedavg_of_the_clients_that_stayed_within_its_quantisa
     start = architecture(plan.model, 6, 8, 32, **plan.overrides).build(seed=plan.seed).state_dict()
     config = round_config(plan, store, 1)
     node = {"store": plan.store, "num-partitions": 4, "partition": "iid", "seed": plan.seed}
-    answers = [_Client({**node, "partition-id": i}).fit([v.numpy() for v in start.values()], config) for i in range(3)]
+    # With the threads the federation's four client processes had (their share of the cores: distenv.share_cores):
+    # the last bits of an update depend on how many threads summed it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // 4)))
+    try:
+        answers = [
+            _Client({**node, "partition-id": i}).fit([v.numpy() for v in start.values()], config) for i in range(3)
+        ]
+    finally:
+        torch.set_num_threads(threads)
     total = sum(n for _, n, _ in answers)
     plain = {k: sum(w[j] * n for w, n, _ in answers) / total for j, k in enumerate(start)}
     # Each client's weighted update is clipped to [-c, c] and stochastically rounded to one of Q levels (an error

@@ -28,11 +28,9 @@ def pretrained(slurm, tiny_store: Path, late_trained, tmp_path_factory) -> tuple
 
     run = tmp_path_factory.mktemp("mae") / "requeued"
     args = ["--cluster", "dev", "--ntasks-per-node", "2", "--data.store", str(tiny_store), "--steps", str(STEPS)]
-    with pytest.MonkeyPatch.context() as env:
-        # One thread a rank, as the reference's ranks have under mpiexec: a loss's last bits depend on how many
-        # threads summed it.
-        env.setenv("OMP_NUM_THREADS", "1")
-        job = run_script("clipforge.jobs.train", [*args, *TINY, *MAE, "--wait", "False", "--run-dir", str(run)])
+    # Bitwise equal to the reference's losses because both sides' ranks take one thread each (their share of the
+    # two cores: distenv.share_cores); a loss's last bits depend on how many threads summed it.
+    job = run_script("clipforge.jobs.train", [*args, *TINY, *MAE, "--wait", "False", "--run-dir", str(run)])
     deadline = time.monotonic() + 300
     while not (run / "checkpoints" / "step-00000010" / "complete.json").exists():
         assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]

@@ -46,6 +46,9 @@ def _job_log(job: submitit.Job) -> str:
 def test_a_submitit_job_with_two_tasks_sees_ranks_and_all_reduces(slurm) -> None:
     results = run_script(SELFTEST, ["--cluster", "dev", "--ntasks-per-node", "2", "--wait", "True"])
     assert sorted(r["rank"] for r in results) == [0, 1]
+    # The test cluster binds no CPUs: each of the node's two tasks takes half its cores (one thread on two cores).
+    shared = int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // 2))
+    assert {r["threads"] for r in results} == {shared}
     for r in results:
         assert r["source"] == "slurm" and r["world_size"] == 2
         assert r["all_reduce"] == 3.0  # (0 + 1) + (1 + 1)
