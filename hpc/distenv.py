@@ -218,7 +218,8 @@ def share_cores(environ: MutableMapping[str, str] | None = None, ranks: int | No
     as many threads as the node has cores, and N ranks would run N times that many: two ranks of two threads
     each on two cores took five times as long per step as two of one thread. ``OMP_NUM_THREADS``, where it is
     set, wins; ``SLURM_CPUS_PER_TASK`` bounds a task; a rank bound to fewer cores than the node has keeps
-    them all. The value is exported, so the rank's own child processes inherit it. ``ranks`` counts the
+    them all. A lowered count is exported, so the rank's own child processes inherit it (a process alone on its
+    node exports nothing: the ranks it may launch take their own shares). ``ranks`` counts the
     processes that share the node where the launcher does not know them (a one-task federation's clients).
     """
     import torch
@@ -230,10 +231,10 @@ def share_cores(environ: MutableMapping[str, str] | None = None, ranks: int | No
     threads = cores if cores < (os.cpu_count() or cores) else max(1, cores // (ranks or ranks_on_this_node(env)))
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         threads = min(threads, int(env["SLURM_CPUS_PER_TASK"]))
-    threads = min(threads, torch.get_num_threads())  # never more than torch chose (Open MPI's ranks start with 1)
-    torch.set_num_threads(threads)
-    env["OMP_NUM_THREADS"] = str(threads)
-    return threads
+    if threads < torch.get_num_threads():  # never more than torch chose (Open MPI's ranks start with 1)
+        torch.set_num_threads(threads)
+        env["OMP_NUM_THREADS"] = str(threads)
+    return torch.get_num_threads()
 
 
 def check_mpi_world(comm_size: int, environ: Mapping[str, str] | None = None) -> None:

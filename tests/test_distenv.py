@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -16,6 +17,7 @@ from clipforge.hpc.distenv import (
     master_port,
     ranks_on_this_node,
     setup_distributed,
+    share_cores,
     task_device,
 )
 from clipforge.hpc.launch import context
@@ -95,6 +97,24 @@ def test_the_ranks_on_this_node_come_from_the_launcher() -> None:
     assert ranks_on_this_node({**slurm, "LOCAL_WORLD_SIZE": "8"}) == 8  # torchrun inside an allocation
     assert ranks_on_this_node({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == 3
     assert ranks_on_this_node({"SUBMITIT_LOCAL_NTASKS": "2"}) == 2 and ranks_on_this_node({}) == 1
+
+
+def test_a_rank_takes_its_share_of_the_cores_and_a_process_alone_exports_nothing() -> None:
+    import subprocess
+    import sys
+
+    alone: dict[str, str] = {}
+    share_cores(alone)  # this process, alone on its node: it keeps its threads and its children choose their own
+    assert "OMP_NUM_THREADS" not in alone
+    code = (
+        "import os; from clipforge.hpc.distenv import share_cores; print(share_cores(), os.environ['OMP_NUM_THREADS'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cores = len(os.sched_getaffinity(0))
+    for ranks, launcher in ((2, {"SUBMITIT_LOCAL_NTASKS": "2"}), (cores, {"LOCAL_WORLD_SIZE": str(cores)})):
+        ran = subprocess.run([sys.executable, "-c", code], env={**env, **launcher}, capture_output=True, text=True)
+        share = max(1, cores // ranks)
+        assert ran.stdout.split() == [str(share), str(share)] or cores < 2, ran.stdout + ran.stderr
 
 
 @pytest.mark.parametrize("value", ["29500x", "-1", "70000"])
