@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import submitit
@@ -14,8 +15,11 @@ import submitit
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from . import helpers
+from . import federations, helpers
 from .helpers import VENV_BIN, Early, options, pack_argv
+
+if TYPE_CHECKING:
+    from clipforge.registry.repo import Registry
 
 
 @pytest.fixture(scope="session")
@@ -164,7 +168,14 @@ def session_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 # Not test_preprocess.py, though it waits too: run first, beside the early work, a rank of its 3-node packing once
 # segfaulted in Open MPI's MPI_Init (a fragment that arrived while the rank was still starting).
-WAITING_FIRST = ("test_multinode.py", "test_records.py", "test_registry.py", "test_slurm.py", "test_store_scale.py")
+WAITING_FIRST = (
+    "test_multinode.py",
+    "test_records.py",
+    "test_registry.py",
+    "test_registry_rules.py",
+    "test_slurm.py",
+    "test_store_scale.py",
+)
 """The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): in a
 measured run these and test_preprocess.py left 395 core-seconds idle in 497 seconds. They run first, while the early
 work (:func:`early`) needs CPU, so it takes the idle cores instead of the busy tests' time."""
@@ -187,9 +198,9 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     work = Early(tmp_path_factory.mktemp("early"))
     if needs & {"one_round", "resumed"}:
         store = request.getfixturevalue("tiny_store")
-        for name in helpers.ONE_ROUND:
-            work.start(name, helpers.one_round, store, name)
-        work.start("killed", helpers.killed_after_round_one, store)
+        for name in federations.ONE_ROUND:
+            work.start(name, federations.one_round, store, name)
+        work.start("killed", federations.killed_after_round_one, store)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
@@ -231,9 +242,43 @@ def trained(early) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def zero_runs(trained) -> dict[int, Path]:
+    """A run of each ZeRO stage on 2 ranks, 12 steps (trained beside the suite: helpers.EARLY_TRAININGS)."""
+    return {stage: trained[f"zero{stage}"] for stage in (0, 1, 2, 3)}
+
+
+@pytest.fixture(scope="session")
 def late_trained(early) -> dict[str, Path]:
     """The runs of helpers.LATE_TRAININGS, trained beside the suite's last minutes."""
     return early.result("late-trainings")
+
+
+@pytest.fixture
+def isolated_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry tests never read or write the user's or the system's git config (their modules use it)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "home" / ".gitconfig"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    (tmp_path / "home").mkdir()
+
+
+@pytest.fixture(params=["bare", "http"])
+def registry(request, tmp_path: Path, isolated_git) -> Registry:
+    """A fresh registry: a bare repository path, or git daemon + a Git LFS server (giftless) over HTTP."""
+    from clipforge.registry import protect
+    from clipforge.registry.repo import Registry
+
+    if request.param == "bare":
+        registry = Registry.init(str(tmp_path / "remote.git"))
+        registry.bare_dir, registry.objects = Path(registry.remote), Path(registry.remote) / "lfs" / "objects"
+        return registry
+    server = request.getfixturevalue("lfs_server")
+    name = f"r{len(list(server.base.iterdir()))}"
+    subprocess.run(["git", "init", "-q", "--bare", str(server.base / f"{name}.git")], check=True)
+    protect.install(server.base / f"{name}.git")  # what the server's administrator runs once
+    registry = Registry.init(f"{server.git_url}/{name}.git", lfs_url=f"{server.lfs_url}/clipforge/{name}", bare=False)
+    registry.bare_dir, registry.objects = server.base / f"{name}.git", server.store / "clipforge" / name
+    return registry
 
 
 @pytest.fixture(scope="session")

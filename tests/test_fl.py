@@ -21,13 +21,14 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .helpers import DP_CLIP, DP_SIGMA, ONE_ROUND, tiny_start
-from .helpers import FL_TINY as TINY
+from .federations import DP_CLIP, DP_SIGMA, ONE_ROUND
+from .federations import FL_TINY as TINY
+from .helpers import tiny_start
 
 
 @pytest.fixture(scope="module")
 def one_round(early) -> dict[str, Path]:
-    """One round of each variant (helpers.ONE_ROUND), run while the rest of the suite ran."""
+    """One round of each variant (federations.ONE_ROUND), run while the rest of the suite ran."""
     return {name: early.result(name) for name in ONE_ROUND}
 
 

@@ -1,0 +1,81 @@
+"""The Flower federations of test_fl.py that run with the early work (:class:`helpers.Early`), and what they need."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .helpers import Early, kill_tree
+
+FL_TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
+"""The federated job's tiny model and batch (its own flags: --batch, not --batch-per-rank)."""
+DP_SIGMA, DP_CLIP = 1e-6, 1e4
+"""Client-level DP of the DP round: a clipping norm no update reaches, so the noise is all that differs."""
+ONE_ROUND = {
+    # The SuperLink notices the lost client within two 30-second heartbeats and the stage stops waiting for it
+    # then; the timeout only bounds a survivor's training stage, which on a busy host can take minutes.
+    "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "900"],
+    "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
+    "fedprox": ["--proximal-mu", "300"],
+    "bf16": ["--transport", "bf16"],
+    "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
+}
+"""One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""
+
+
+def federation_argv(store: Path, run: Path, *extra: str, clients: int = 2) -> list[str]:
+    """A local federation of ``clients`` with the tiny model."""
+    argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
+    return [*argv, "--executor", "debug", "--clients", str(clients), *FL_TINY, *extra]
+
+
+def kill_client_after_its_keys(
+    run: Path, index: int, federation: subprocess.Popen, output: Path, timeout_s: float = 1800
+) -> None:
+    """SIGKILL client ``index``'s SuperNode and everything it started once it has answered SecAgg+'s first two
+    messages (its public keys, then its key shares): a device that drops out while it trains."""
+    log = run / "flower" / "logs" / f"supernode-{index}.log"
+    deadline = time.monotonic() + timeout_s
+    while not (log.exists() and log.read_text(errors="replace").count("Sent successfully") >= 2):
+        assert federation.poll() is None, (
+            f"the federation ended (exit {federation.returncode}) before client {index} answered twice:\n"
+            + output.read_text(errors="replace")[-3000:]
+        )
+        assert time.monotonic() < deadline, f"client {index} never answered"
+        time.sleep(0.2)
+    key = f"client-{index}.key"
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"flower-supernode") for a in argv[:2]) and any(a.endswith(key.encode()) for a in argv):
+            kill_tree(int(proc.name))
+            return
+    raise AssertionError(f"no SuperNode process of client {index}")
+
+
+def one_round(early: Early, store: Path, name: str) -> Path:
+    """One round of the ``name`` variant of :data:`ONE_ROUND`; its run directory once it ended well."""
+    clients = 4 if name == "secagg" else 2
+    argv = federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name], clients=clients)
+    process = early.process(name, argv)
+    if name == "secagg":
+        kill_client_after_its_keys(early.root / name, 3, process, early.root / f"{name}.log")
+    assert process.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
+    return early.root / name
+
+
+def killed_after_round_one(early: Early, store: Path) -> Path:
+    """A federation of 2 clients over 2 rounds, killed (server, SuperNodes and run at once) after round 1."""
+    run = early.root / "killed"
+    process = early.process("killed", federation_argv(store, run, "--rounds", "2"))
+    deadline = time.monotonic() + 1800
+    while not (run / "rounds" / "round-00001.safetensors").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"
+        time.sleep(0.2)
+    kill_tree(process.pid)  # its group, and the ServerApp its SuperLink started in a session of its own
+    process.wait()
+    return run
