@@ -227,7 +227,7 @@ def share_cores(environ: MutableMapping[str, str] | None = None, ranks: int | No
     env = os.environ if environ is None else environ
     if env.get("OMP_NUM_THREADS", "").isdigit():
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = cores if cores < (os.cpu_count() or cores) else max(1, cores // (ranks or ranks_on_this_node(env)))
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         threads = min(threads, int(env["SLURM_CPUS_PER_TASK"]))
