@@ -26,6 +26,8 @@ from clipforge.hpc.processes import process_tree
 from clipforge.preprocess.store import ClipStore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from clipforge.hpc.devcluster import LocalCluster
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -157,6 +159,23 @@ def train(
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def wait_for_checkpoint(run: Path, step: int, alive: Callable[[], bool], log: Callable[[], str] = str) -> None:
+    """Until checkpoint ``step`` of ``run`` is complete: fails with ``log()`` if ``alive()`` turns False first, or
+    after 300 s."""
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / f"step-{step:08d}" / "complete.json").exists():
+        assert alive() and time.monotonic() < deadline, f"no checkpoint at step {step}: " + log()[-3000:]
+        time.sleep(0.05)
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, run: Path, step: int) -> None:
+    """SIGKILL ``proc`` (a :func:`train` started with ``wait=False``) and its session once checkpoint ``step`` of
+    ``run`` is complete: a node lost mid-run."""
+    wait_for_checkpoint(run, step, lambda: proc.poll() is None, lambda: "the run ended before it")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # -- a run's metrics and a store's clips --------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from clipforge.models.builders import create_model, start_from
 from clipforge.models.settings import ModelSettings
 from clipforge.rundir import RunDir
 
-from .helpers import MAE, MAE_STEPS, TINY, losses, train
+from .helpers import MAE, MAE_STEPS, TINY, losses, train, wait_for_checkpoint
 
 STEPS = MAE_STEPS
 
@@ -31,10 +30,7 @@ def pretrained(slurm, tiny_store: Path, late_trained, tmp_path_factory) -> tuple
     # Bitwise equal to the reference's losses because both sides' ranks take one thread each (their share of the
     # two cores: distenv.share_cores); a loss's last bits depend on how many threads summed it.
     job = run_script("clipforge.jobs.train", [*args, *TINY, *MAE, "--wait", "False", "--run-dir", str(run)])
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step-00000010" / "complete.json").exists():
-        assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]
-        time.sleep(0.05)
+    wait_for_checkpoint(run, 10, lambda: not job.done(), lambda: Path(str(job.paths.stderr)).read_text())
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)
     job.results()
     return late_trained["mae"], run, Path(str(job.paths.stderr)).read_text()

@@ -3,9 +3,6 @@ from another run's or a registry version's weights."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-from .helpers import TINY, TINY_TRAINING, losses, train
+from .helpers import TINY, TINY_TRAINING, kill_after_checkpoint, losses, train
 
 RECIPES = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 
@@ -109,12 +106,7 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
     # Killed after its first checkpoint, then started again with the same command, as a requeue does: it resumes
     # from the checkpoint (the registry weights were only where it started).
     first = train(mpiexec, tiny_store, run, *small, *start, "--checkpoint-every", "2", wait=False)
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step-00000002" / "complete.json").exists():
-        assert first.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
+    kill_after_checkpoint(first, run, 2)
     result = train(mpiexec, tiny_store, run, *small, *start, "--checkpoint-every", "2")
     assert "resumed from checkpoint step-0000000" in result.stderr, result.stderr[-3000:]
     steps = -(-len(ClipDataset(tiny_store, "train")) // 8)  # one pass in global batches of 2 ranks x 4 clips

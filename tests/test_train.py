@@ -23,7 +23,7 @@ from clipforge.models.settings import TrainSettings
 from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
 
-from .helpers import LOCAL, RESHARDED, TINY_TRAINING, losses, train
+from .helpers import LOCAL, RESHARDED, TINY_TRAINING, kill_after_checkpoint, losses, train, wait_for_checkpoint
 
 # The ZeRO runs, the resume and the reshard read shards in random order, shuffled within windows of 16 clips
 # (LOCAL); the other runs shuffle globally.
@@ -88,12 +88,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
 ) -> None:
     run = tmp_path / "run"
     proc = train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", "--checkpoint-every", "4", *LOCAL, wait=False)
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step-00000004" / "complete.json").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(proc, run, 4)
     train(mpiexec, tiny_store, run, "--parallel.zero-stage", "2", "--checkpoint-every", "4", *LOCAL)
     resumed, reference = losses(run), losses(zero_runs[2])
     # Bitwise at fp32, with locality-aware sampling (the clips of a step are a function of seed and step).
@@ -290,10 +285,7 @@ def test_training_from_registry_weights_through_submitit_on_slurm_survives_scont
     job = run_script(
         "clipforge.jobs.train", [*args, "--wait", "False", "--run-dir", str(run), "--checkpoint-every", "4"]
     )
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step-00000008" / "complete.json").exists():
-        assert time.monotonic() < deadline and not job.done(), Path(str(job.paths.stderr)).read_text()[-3000:]
-        time.sleep(0.05)
+    wait_for_checkpoint(run, 8, lambda: not job.done(), lambda: Path(str(job.paths.stderr)).read_text())
     subprocess.run(["scontrol", "requeue", job.job_id], check=True)  # 32 steps (a few seconds) before its end
     result = job.results()[0]
     reference.results()
