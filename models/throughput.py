@@ -37,10 +37,13 @@ class Throughput:
         self.steps = 0
 
     @classmethod
-    def of_run(cls, clips_per_step: int, flops: float | None, device, devices: int, main: bool) -> Throughput:
+    def of_run(
+        cls, clips_per_step: int, flops: float | None, device, devices: int, main: bool, precision: str = "bf16"
+    ) -> Throughput:
         """The meter of a training run; rank 0 (``main``) logs the peak its MFU divides by."""
-        # A device missing from the datasheet table is measured, once, on rank 0 only: only rank 0 logs.
-        device_peak = peak(device) if flops and main else None
+        # A device missing from the datasheet table is measured, once, on rank 0 only (only rank 0 logs), in the
+        # dtype the run's matmuls take.
+        device_peak = peak(device, precision) if flops and main else None
         if device_peak is not None:
             log.info(
                 "MFU against %.3g TFLOP/s per device (%s, %s)",

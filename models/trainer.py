@@ -186,7 +186,7 @@ class Trainer:
         self.preemption = Preemption(self.max_requeues)
         clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
         flops = self.arch.flops() if self.arch.flops else None
-        self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main)
+        self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main, s.precision)
         lr = lambda: float(max(self.engine.get_lr()))  # noqa: E731 - the head's, with layer-wise decay
         self.records = RunLog(self.run_dir, main, self.step, s.steps, self.throughput, lr)
         self._batches = self._input()
