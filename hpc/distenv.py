@@ -231,7 +231,7 @@ def share_cores(environ: MutableMapping[str, str] | None = None, ranks: int | No
     threads = cores if cores < (os.cpu_count() or cores) else max(1, cores // (ranks or ranks_on_this_node(env)))
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         threads = min(threads, int(env["SLURM_CPUS_PER_TASK"]))
-    if threads < torch.get_num_threads():  # never more than torch chose (Open MPI's ranks start with 1)
+    if threads < torch.get_num_threads():  # never more than torch chose (1 under Open MPI, from its variables)
         torch.set_num_threads(threads)
         env["OMP_NUM_THREADS"] = str(threads)
     return torch.get_num_threads()
