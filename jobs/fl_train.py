@@ -53,8 +53,8 @@ from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import dist_env, free_port, share_cores
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
-from clipforge.jobs import config
-from clipforge.models.builders import architecture
+from clipforge.jobs import config, start_weights
+from clipforge.models.builders import architecture, start_from
 from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
@@ -170,8 +170,11 @@ def check(cfg: Config) -> None:
     ClipDataset(store, cfg.data.eval_split)
     if len(train) < cfg.clients:
         raise config.ConfigError(f"split {cfg.data.train_split!r} has {len(train)} clips for {cfg.clients} clients")
+    start_weights.adopt(cfg.model)
     size = cfg.data.crop or store.params["height"]
     arch = architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
+    if cfg.model.weights is not None and cfg.model.registry_reference() is None:
+        start_from(arch.build(seed=0), Path(cfg.model.weights))  # they fit (a new head for other classes), or one line
     if cfg.dp.sample_noise_multiplier > 0 and (why := dpsgd.problem(arch.build(seed=0))):
         raise config.ConfigError(
             f"--dp.sample-noise-multiplier with --model.name {cfg.model.name}: Opacus cannot train it with DP-SGD "
@@ -197,7 +200,8 @@ def budgeted_rounds(cfg: Config) -> int:
     )
 
 
-def plan(cfg: Config) -> FederatedPlan:
+def plan(cfg: Config, start: Path | None = None) -> FederatedPlan:
+    """The server's plan; ``start``: the weights file the global model starts from (:func:`starting_weights`)."""
     return FederatedPlan(
         run_dir=str(cfg.run_dir.resolve()),
         store=str(Path(cfg.data.store).resolve()),
@@ -230,7 +234,22 @@ def plan(cfg: Config) -> FederatedPlan:
         secagg_max_weight=float(
             -(-len(ClipDataset(ClipStore.open(cfg.data.store), cfg.data.train_split)) // cfg.clients)
         ),
+        start_weights=None if start is None else str(start.resolve()),
+        start_source=None if cfg.model.weights is None else str(cfg.model.weights),
     )
+
+
+def starting_weights(cfg: Config, run: RunDir) -> Path | None:
+    """The weights file the federation starts from: ``--model.weights`` (its architecture adopted), a registry
+    version's copied into the run directory first (once: a restarted server finds it there)."""
+    source = cfg.model.weights
+    if source is None:
+        return None
+    start_weights.adopt(cfg.model)
+    if cfg.model.registry_reference() is not None:
+        return start_weights.fetch_registry_weights(cfg.model, run.start_weights)
+    log.info("the federation starts from %s", source)
+    return Path(cfg.model.weights)
 
 
 def node_config(cfg: Config, index: int) -> dict[str, object]:
@@ -258,6 +277,7 @@ def main(cfg: Config) -> dict | None:
         return client_task(cfg, env.rank - 1, env.job_id, env.restart_count)
     run = RunDir(cfg.run_dir).prepare()
     work = run.root / "flower"
+    start = starting_weights(cfg, run)
     run.write_config(config.to_dict(cfg))
     announce_budget(cfg)
     started = time.monotonic()
@@ -289,7 +309,7 @@ def main(cfg: Config) -> dict | None:
         else:
             _signal(work, "superlink", env.job_id, env.restart_count, address)
             log.info("SuperLink at %s (TLS); %d client tasks join it", address, cfg.clients)
-        plan_file = plan(cfg).write(work / "plan.json")
+        plan_file = plan(cfg, start).write(work / "plan.json")
         run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
         # Every round (each of SecAgg+'s four exchanges) may wait its timeout; the ServerApp's start and the
         # evaluations take the allowance.

@@ -33,9 +33,6 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
 import dataclasses
 import functools
 import logging
-import os
-import shutil
-from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -45,10 +42,10 @@ from clipforge.hpc.distenv import dist_env
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
+from clipforge.jobs.start_weights import fetch_registry_weights, registry_architecture
 from clipforge.models.checkpointing import CheckpointError
 from clipforge.models.settings import TrainSettings, resolve_settings
 from clipforge.models.trainer import Trainer
-from clipforge.registry.repo import Ref, Registry
 from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.train")
@@ -77,7 +74,7 @@ def parse(argv: list[str] | None = None) -> Config:
 def check(cfg: Config) -> None:
     """Refuse a run that cannot work before anything is submitted."""
     if cfg.model.registry_reference() is not None:
-        model, overrides = registry_architecture(cfg)  # the version exists, and its architecture is this run's
+        model, overrides = registry_architecture(cfg.model)  # the version exists, and its architecture is this run's
         cfg.model.adopt(model, overrides, str(cfg.model.weights))
     resolve_settings(cfg, cfg.resources.ntasks)
     if cfg.elastic_min_nodes is not None and (cfg.parallel.layout != "plain" or cfg.parallel.zero_stage == 3):
@@ -85,40 +82,6 @@ def check(cfg: Config) -> None:
             "--elastic-min-nodes: a restart on fewer nodes reshards ZeRO 0-2 data parallel only; a pipeline needs "
             "its stages and ZeRO-3 its partitions"
         )
-
-
-def registry_version(cfg: Config) -> tuple[Registry, Ref]:
-    """The registry and the concrete version that ``--model.weights registry:NAME@REF`` names."""
-    remote = cfg.model.registry or os.environ.get("CLIPFORGE_REGISTRY")
-    if not remote:
-        raise config.ConfigError(
-            f"--model.weights {cfg.model.weights}: no registry to take it from; pass --model.registry PATH_OR_URL "
-            "or set CLIPFORGE_REGISTRY"
-        )
-    registry = Registry(remote)
-    return registry, registry.resolve(Ref.parse(cfg.model.registry_reference() or ""))
-
-
-def registry_architecture(cfg: Config) -> tuple[str, dict]:
-    """The model and architecture options of the registry version ``--model.weights`` names (its model.yaml)."""
-    registry, ref = registry_version(cfg)
-    architecture = dict(registry.record(ref)["architecture"])
-    for key in ("input", "crop"):  # what the version was trained on, not how it is built
-        architecture.pop(key, None)
-    return architecture.pop("model"), architecture
-
-
-def fetch_registry_weights(cfg: Config, folder: Path) -> Path:
-    """Rank 0: copy the registry version's files (weights verified by their sha256) into ``folder``, once."""
-    weights = folder / "model.safetensors"
-    if not weights.exists():
-        registry, ref = registry_version(cfg)
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        registry.pull(ref, partial)
-        partial.rename(folder)
-        log.info("starting from registry version %s (%s), copied to %s", ref, cfg.model.weights, folder)
-    return weights
 
 
 def main(cfg: Config) -> dict | None:
@@ -129,8 +92,8 @@ def main(cfg: Config) -> dict | None:
         cfg,
         max_requeues=cfg.launch.requeues(),
         elastic=cfg.elastic_min_nodes is not None,
-        fetch_weights=functools.partial(fetch_registry_weights, cfg) if from_registry else None,
-        start_architecture=functools.partial(registry_architecture, cfg) if from_registry else None,
+        fetch_weights=functools.partial(fetch_registry_weights, cfg.model) if from_registry else None,
+        start_architecture=functools.partial(registry_architecture, cfg.model) if from_registry else None,
     )
     if env.rank == 0:
         RunDir(cfg.run_dir).write_config(config.to_dict(cfg))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from clipforge.hpc.distenv import dist_env
-from clipforge.models.builders import architecture
+from clipforge.models.builders import architecture, start_from
 from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
@@ -87,6 +87,11 @@ class FederatedPlan:
     secagg_max_weight: float = 1000.0
     """The largest example count a client may weigh its update by: SecAgg+ scales each update by its count over
     this before quantising, so it should be close to the largest client's count (the error grows with it)."""
+    start_weights: str | None = None
+    """The weights file the global model starts from (a published, imported or registry model, a finished run's),
+    read by the server before round 1 only; None: the seed's initialisation."""
+    start_source: str | None = None
+    """``--model.weights`` as given (a path or registry:NAME@REF), for the record."""
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -114,6 +119,12 @@ def serve(grid, context) -> None:
     if saved is not None:
         model.load_state_dict(saved)
         print(f"resuming the federation after round {done} of {plan.rounds}", flush=True)
+    elif plan.start_weights is not None:
+        fresh = start_from(model, Path(plan.start_weights))
+        new_head = f"; classifier {', '.join(fresh)} new (other classes, or an encoder)" if fresh else ""
+        copied = Path(str(plan.start_source)).resolve() != Path(plan.start_weights)  # a registry version's copy
+        where = f"{plan.start_source} ({plan.start_weights})" if copied else plan.start_source
+        print(f"starting the federation from {where}{new_head}", flush=True)
     keys = list(model.state_dict())
     eval_set = ClipDataset(store, plan.eval_split)
     started = time.time()
@@ -224,6 +235,8 @@ def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = Non
         "aggregation": "SecAgg+" if plan.secagg else "in the clear",
         "transport": plan.transport,
     }
+    if plan.start_source is not None:
+        out["start"] = plan.start_source
     if plan.dp_noise_multiplier > 0:
         out["differential_privacy"] = {
             "level": "client",

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .helpers import Early, kill_tree
+from .helpers import Early, kill_tree, tiny_start
 
 FL_TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
 """The federated job's tiny model and batch (its own flags: --batch, not --batch-per-rank)."""
@@ -21,8 +21,11 @@ ONE_ROUND = {
     "fedprox": ["--proximal-mu", "300"],
     "bf16": ["--transport", "bf16"],
     "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
+    "start": [],  # one client, from a weights file: START_SEED's initialisation (:func:`one_round` writes it)
 }
 """One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""
+START_SEED = 7
+"""The "start" round's global model starts from TINY's initialisation at this seed, not the run's seed 0."""
 
 
 def federation_argv(store: Path, run: Path, *extra: str, clients: int = 2) -> list[str]:
@@ -59,8 +62,14 @@ def kill_client_after_its_keys(
 
 def one_round(early: Early, store: Path, name: str) -> Path:
     """One round of the ``name`` variant of :data:`ONE_ROUND`; its run directory once it ended well."""
-    clients = 4 if name == "secagg" else 2
-    argv = federation_argv(store, early.root / name, "--rounds", "1", *ONE_ROUND[name], clients=clients)
+    clients, extra = {"secagg": 4, "start": 1}.get(name, 2), list(ONE_ROUND[name])
+    if name == "start":  # downloaded weights, as a user starts from them: a file of TINY's architecture
+        from safetensors.torch import save_file
+
+        weights = early.root / "start.safetensors"
+        save_file({k: v.contiguous() for k, v in tiny_start(START_SEED).state_dict().items()}, str(weights))
+        extra += ["--model.weights", str(weights)]
+    argv = federation_argv(store, early.root / name, "--rounds", "1", *extra, clients=clients)
     process = early.process(name, argv)
     if name == "secagg":
         kill_client_after_its_keys(early.root / name, 3, process, early.root / f"{name}.log")

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import free_port
 from clipforge.models.builders import architecture, create_model, load_weights
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .federations import DP_CLIP, DP_SIGMA, ONE_ROUND
+from .federations import DP_CLIP, DP_SIGMA, ONE_ROUND, START_SEED
 from .federations import FL_TINY as TINY
 from .helpers import tiny_start
 
@@ -198,6 +199,40 @@ def test_fedprox_keeps_the_clients_near_the_global_model(resumed, one_round) -> 
     plain = moved(load_file(str(resumed[0] / "rounds" / "round-00001.safetensors")))  # FedAvg, the same round
     assert 0 < prox < 0.5 * plain, (prox, plain)
     assert json.loads((run / "final" / "run.json").read_text())["federated"]["strategy"] == "FedProx (mu 300)"
+
+
+def test_a_federation_starts_from_downloaded_weights_and_a_finished_run_brings_its_architecture(
+    tiny_store: Path, one_round
+) -> None:
+    from clipforge.jobs import fl_train
+    from clipforge.models.builders import ModelError
+
+    run = one_round["start"]
+    start = tiny_start(START_SEED).state_dict()
+    final = load_file(str(run / "final" / "model.safetensors"))
+
+    def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return torch.cat([(a[k] - b[k]).flatten() for k in start]).norm().item()
+
+    # One round of one client moved the global model from the file's weights (by about a third of the distance
+    # between two initialisations), not from the seed's own.
+    assert 0 < distance(final, start) < 0.5 * distance(final, tiny_start().state_dict())
+    logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
+    assert f"starting the federation from {run.parent / 'start.safetensors'}" in logs, logs[-3000:]
+    assert json.loads((run / "final" / "run.json").read_text())["federated"]["start"].endswith("start.safetensors")
+    # A finished run (this federation's) brings its architecture: no model flags needed, and they match.
+    cfg = fl_train.parse(["--data.store", str(tiny_store), "--model.weights", str(run)])
+    fl_train.check(cfg)
+    assert (cfg.model.name, cfg.model.depth, cfg.model.tubelet) == ("videovit-tiny", 2, (2, 8, 8))
+    assert cfg.model.weights == run / "final" / "model.safetensors"
+    # Weights that do not fit the model asked for, or no weights there, are refused in one line before anything.
+    other = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--model.depth", "1",
+                            "--model.weights", str(run.parent / "start.safetensors")])  # fmt: skip
+    with pytest.raises(ModelError, match="start.safetensors does not fit the model"):
+        fl_train.check(other)
+    missing = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--model.weights", str(run / "nothing")])
+    with pytest.raises(UserError, match="--model.weights .*nothing: no such file or folder"):
+        fl_train.check(missing)
 
 
 def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_store: Path) -> None:
