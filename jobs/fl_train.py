@@ -59,7 +59,7 @@ from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs, dpsgd, privacy
-from clipforge.ps.federated import FederatedPlan
+from clipforge.ps.federated import DATA_READ, FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
 from clipforge.rundir import RunDir
 
@@ -165,14 +165,30 @@ def check(cfg: Config) -> None:
         raise config.ConfigError(f"--secagg-may-drop {cfg.secagg_may_drop}: give a share in [0, 1)")
     if not 0 < cfg.client_fraction <= 1:
         raise config.ConfigError(f"--client-fraction {cfg.client_fraction}: give a share in (0, 1]")
+    unread = cfg.data.set_but_unread(DATA_READ)
+    if unread:
+        raise config.ConfigError(
+            f"{unread}: federated clients train on their own share in a seeded order with plain cross-entropy, "
+            "so it would have no effect; leave it out"
+        )
+    if cfg.resources.gpus_per_node:
+        raise config.ConfigError(
+            f"--gpus-per-node {cfg.resources.gpus_per_node}: federated training runs its server and clients on CPUs; "
+            "leave it out"
+        )
     store = ClipStore.open(cfg.data.store)
     train = ClipDataset(store, cfg.data.train_split)
     ClipDataset(store, cfg.data.eval_split)
     if len(train) < cfg.clients:
         raise config.ConfigError(f"split {cfg.data.train_split!r} has {len(train)} clips for {cfg.clients} clients")
     start_weights.adopt(cfg.model)
-    size = cfg.data.crop or store.params["height"]
+    height, width = store.params["height"], store.params["width"]
+    if cfg.data.crop is not None and cfg.data.crop > min(height, width):
+        raise config.ConfigError(f"--data.crop {cfg.data.crop} is larger than the store's {height}x{width} frames")
+    size = cfg.data.crop or height
     arch = architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
+    if problem := arch.input.problem(store.params["clip_frames"], size, cfg.data.crop or width):
+        raise config.ConfigError(f"model {cfg.model.name} {problem} (store {cfg.data.store}); change the crop or model")
     if cfg.model.weights is not None and cfg.model.registry_reference() is None:
         start_from(arch.build(seed=0), Path(cfg.model.weights))  # they fit (a new head for other classes), or one line
     if cfg.dp.sample_noise_multiplier > 0 and (why := dpsgd.problem(arch.build(seed=0))):

@@ -70,6 +70,11 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a job that cannot work before anything is submitted."""
+    if cfg.resources.gpus_per_node:
+        raise config.ConfigError(
+            f"--gpus-per-node {cfg.resources.gpus_per_node}: the parameter server and its trainers run on CPUs; "
+            "leave it out"
+        )
     ps.check(cfg, cfg.servers + cfg.trainers)
 
 

@@ -152,6 +152,16 @@ class DataSettings:
     """CutMix: paste a box of another clip of the batch (the same box in every frame), labels by area, the box's
     share from Beta(cutmix, cutmix); 0: off. With mixup as well, each micro-batch uses one of the two, evenly."""
 
+    def set_but_unread(self, read: tuple[str, ...]) -> str | None:
+        """The first option set away from its default that a job reading only ``read`` of these would ignore, as
+        its flag and value (``--data.mixup 0.8``); None when every option set is read."""
+        default = DataSettings()
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name not in read and value != getattr(default, field.name):
+                return f"--data.{field.name.replace('_', '-')} {value}"
+        return None
+
 
 @dataclasses.dataclass
 class OptimSettings:
@@ -286,14 +296,19 @@ def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Arch
     if s.data.shuffle_window < 1:
         raise TrainError(f"data.shuffle_window is {s.data.shuffle_window}; give a number of clips, at least 1")
     _check_recipe_knobs(s)
-    global_batch = s.batch_per_rank * s.grad_accum * dp
-    if s.epochs is not None:
-        s.steps = math.ceil(s.epochs * len(train_set) / global_batch)
-    if s.optim.warmup_epochs is not None:
-        s.optim.warmup_steps = round(s.optim.warmup_epochs * len(train_set) / global_batch)
+    steps_of_epochs(s, len(train_set), s.batch_per_rank * s.grad_accum * dp)
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
     return store, arch
+
+
+def steps_of_epochs(s: TrainSettings, clips: int, global_batch: int) -> None:
+    """``epochs`` and ``optim.warmup_epochs``, where given, become ``steps`` and ``optim.warmup_steps`` of
+    ``global_batch`` clips over a split of ``clips``."""
+    if s.epochs is not None:
+        s.steps = math.ceil(s.epochs * clips / global_batch)
+    if s.optim.warmup_epochs is not None:
+        s.optim.warmup_steps = round(s.optim.warmup_epochs * clips / global_batch)
 
 
 def _check_mae(s: TrainSettings) -> None:
@@ -307,6 +322,16 @@ def _check_mae(s: TrainSettings) -> None:
         raise TrainError("--objective mae starts from scratch; drop --model.weights (fine-tuning takes it)")
     if s.data.mixup or s.data.cutmix or s.optim.layer_decay != 1:
         raise TrainError("--objective mae: mixup, CutMix and layer decay are fine-tuning settings; drop them")
+    if s.data.class_balance == "loss" or s.optim.label_smoothing:
+        raise TrainError(
+            "--objective mae: a loss weighted by class or smoothed labels acts on labels, which pretraining does not "
+            "read; drop --data.class-balance loss and --optim.label-smoothing"
+        )
+    if s.parallel.activation_checkpointing:
+        raise TrainError(
+            "--objective mae: the autoencoder is one segment, so activation checkpointing would recompute all of it "
+            "and save no memory; drop --parallel.activation-checkpointing"
+        )
     problem = s.mae.problem()
     if problem:
         raise TrainError(problem)

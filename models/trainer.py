@@ -49,7 +49,7 @@ from .mae import encoder_state, reconstruction_on_ranks
 from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
-from .settings import TrainError, TrainSettings, resolve_settings
+from .settings import TrainError, TrainSettings, resolve_settings, steps_of_epochs
 from .throughput import Throughput, peak_memory_gib
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,18 @@ class Trainer:
         self.run_dir.prepare()
         fetch = functools.partial(self.fetch_weights, self.run_dir.start_weights) if self.fetch_weights else None
         self.plan = plan_resume(s, self.run_dir.checkpoints, self.dist, self.dp_size, self.elastic, fetch)
+        if self.plan.grad_accum != s.grad_accum:  # an elastic restart keeps the run's global batch, and so its steps
+            steps_of_epochs(s, len(self.train_set), s.batch_per_rank * self.plan.grad_accum * self.dp_size)
+            if s.epochs is not None and main:
+                log.info("%g epochs in the run's global batches: %d steps", s.epochs, s.steps)
         make_universal(self.plan, self.run_dir.checkpoints, self.dist, self.dp_size)
         if s.data.class_balance == "loss":
             self.class_weights = class_weights(self.train_set.labels, len(self.store.classes))
         torch.manual_seed(s.seed)
         model_plan = ModelPlan(self.arch, s.parallel, s.precision, s.seed, self.loss, self.plan.weights, main)
         self.layout = LAYOUTS[s.parallel.layout](model_plan)
+        if not self.layout.evaluates_while_training and s.eval_every < s.steps and main:
+            log.warning("a pipeline evaluates once, at the end, on rank 0: --eval-every %d has no effect", s.eval_every)
         module = self.layout.module()
         self.engine = build_engine(s, self.arch, module, self.plan, self.dist, self.device, has_batchnorm(self.arch))
         written = {"world_size": self.dist.world_size, "data_parallel": self.dp_size}

@@ -38,6 +38,11 @@ from .worker import Augment, partition
 log = logging.getLogger(__name__)
 
 
+DATA_READ = ("store", "train_split", "eval_split", "crop", "flip")
+"""The --data.* options federated training reads (the server's store and splits, the clients' crop and flip); the
+clients train without a loader, mixup, CutMix, class balance or shard-order shuffle."""
+
+
 @dataclasses.dataclass
 class FederatedPlan:
     """What the server needs to run the federation; written by the job into the run directory."""

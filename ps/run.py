@@ -25,7 +25,7 @@ from torch.distributed import rpc
 
 from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv
-from clipforge.models.builders import Architecture, architecture, load_weights
+from clipforge.models.builders import Architecture, architecture, start_from
 from clipforge.models.evaluation import evaluate_model
 from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
@@ -56,6 +56,11 @@ class PSSettings:
     trainer: worker.TrainerSettings = dataclasses.field(default_factory=worker.TrainerSettings)
 
 
+DATA_READ = ("store", "train_split", "eval_split", "crop", "flip")
+"""The --data.* options a parameter-server job reads; any other set is refused (no loader, mixup, class balance or
+shard-order shuffle on this path)."""
+
+
 def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     """Refuse what cannot work before any process starts."""
     if s.servers < 1 or world_size - s.servers < 1:
@@ -63,14 +68,11 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
             f"{world_size} tasks cannot hold {s.servers} server(s) and at least one trainer; ask for more tasks or "
             "fewer servers"
         )
-    if s.data.class_balance != "none":
+    unread = s.data.set_but_unread(DATA_READ)
+    if unread:
         raise PSError(
-            f"--data.class-balance {s.data.class_balance} is not supported by the parameter server; leave it at none"
-        )
-    if s.data.workers != DataSettings().workers:
-        raise PSError(
-            "--data.workers has no effect on a parameter-server run (each trainer reads in its own process); leave it "
-            "out"
+            f"{unread}: a parameter-server trainer reads its own share in its own process, in its own seeded order, "
+            "with plain cross-entropy, so it would have no effect; leave it out"
         )
     store = ClipStore.open(s.data.store)
     ClipDataset(store, s.data.train_split)
@@ -78,11 +80,19 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     p = store.params
     if s.data.crop is not None and s.data.crop > min(p["height"], p["width"]):
         raise PSError(f"crop {s.data.crop} is larger than the store's {p['height']}x{p['width']} frames")
+    if s.model.registry_reference() is not None:
+        raise PSError(
+            f"--model.weights {s.model.weights}: the parameter-server job does not fetch registry versions; fetch it "
+            "with clipforge registry pull NAME@REF --to DIR and give DIR/model.safetensors"
+        )
+    s.model.adopt_start()  # a finished run or an imported model brings its architecture
     size = s.data.crop or p["height"]
     arch = architecture(s.model.name, len(store.classes), p["clip_frames"], size, **s.model.overrides())
     problem = arch.input.problem(p["clip_frames"], size, s.data.crop or p["width"])
     if problem:
         raise PSError(f"model {s.model.name} {problem}")
+    if s.model.weights is not None:
+        start_from(arch.build(seed=0), Path(s.model.weights))  # they fit (a new head for other classes), or one line
     return store, arch
 
 
@@ -105,7 +115,7 @@ def run(s: PSSettings, env: DistEnv) -> dict[str, Any] | None:
     torch.manual_seed(s.seed)
     model = arch.build(seed=s.seed)
     if s.model.weights is not None:
-        load_weights(model, s.model.weights)
+        start_from(model, Path(s.model.weights))
     owner = srv.assign_shards({k: tuple(v.shape) for k, v in model.state_dict().items()}, s.servers)
     dataset = ClipDataset(store, s.data.train_split)
     shares = worker.partition(dataset.labels, len(trainers), s.trainer.partition, s.seed)

@@ -368,8 +368,9 @@ MAE += ["--optim.warmup-steps", "2", "--eval-every", "15", "--checkpoint-every",
 """test_pretrain.py's pretraining (on raw pixels: see its last test), evaluated twice and checkpointed at step 10."""
 MAE_STEPS = 30
 RESHARDED = ("--parallel.zero-stage", "2", "--checkpoint-every", "4", "--batch-per-rank", "2", "--elastic-min-nodes",
-             "1", *LOCAL)  # fmt: skip
-"""The flags of test_train.py's run that 4 ranks start and 2 ranks resume."""
+             "1", "--epochs", "1.25", *LOCAL)  # fmt: skip
+"""The flags of test_train.py's run that 4 ranks start and 2 ranks resume: 1.25 epochs of the tiny store's 72 clips
+in global batches of 8 are 12 steps (a restart on 2 ranks once counted them in batches of 4: 23)."""
 LATE_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
     # The uninterrupted pretraining that test_pretrain.py's requeued Slurm job must equal.
     "mae": (tuple(MAE), 2, MAE_STEPS),

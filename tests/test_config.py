@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,51 @@ def test_a_user_mistake_on_the_command_line_is_one_line_without_traceback(tmp_pa
         "clipforge: error: time: '1h' is not a Slurm time; use minutes ('30'), 'HH:MM:SS' or 'D-HH:MM:SS'"
     )
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "job, flags, says",
+    [
+        ("fl_train", ["--data.mixup", "0.8"], "--data.mixup 0.8: federated clients train on their own share"),
+        ("fl_train", ["--data.class-balance", "loss"], "--data.class-balance loss: federated clients"),
+        ("fl_train", ["--data.shuffle", "shards"], "--data.shuffle shards: federated clients"),
+        ("fl_train", ["--gpus-per-node", "1"], "--gpus-per-node 1: federated training runs its server and clients on"),
+        ("fl_train", ["--data.crop", "40"], "--data.crop 40 is larger than the store's 32x32 frames"),
+        ("ps_train", ["--data.cutmix", "1.0"], "--data.cutmix 1.0: a parameter-server trainer reads its own share"),
+        ("ps_train", ["--data.workers", "4"], "--data.workers 4: a parameter-server trainer"),
+        ("ps_train", ["--gpus-per-node", "2"], "--gpus-per-node 2: the parameter server and its trainers run on CPUs"),
+        ("ps_train", ["--model.weights", "registry:tiny@v1"], "does not fetch registry versions; fetch it with"),
+    ],
+)
+def test_an_option_a_job_would_ignore_is_refused_in_one_line_before_it_starts(
+    tiny_store: Path, job: str, flags: list[str], says: str
+) -> None:
+    """Options shared with training that the federated and parameter-server paths do not read (they were once
+    accepted and silently ignored, as fl_train's --model.weights was)."""
+    import importlib
+
+    from clipforge.base.errors import UserError
+
+    module = importlib.import_module(f"clipforge.jobs.{job}")
+    cfg = module.parse(["--data.store", str(tiny_store), "--model.name", "videovit-tiny", "--model.depth", "1",
+                        "--model.tubelet", "2", "8", "8", *flags])  # fmt: skip
+    with pytest.raises(UserError, match=re.escape(says)):
+        module.check(cfg)
+
+
+def test_a_parameter_server_job_takes_weights_for_other_classes_and_refuses_weights_that_do_not_fit(
+    tiny_store: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    from clipforge.jobs import ps_train
+    from clipforge.models.builders import ModelError, architecture
+
+    tiny = ["--data.store", str(tiny_store), "--model.name", "videovit-tiny", "--model.tubelet", "2", "8", "8"]
+    donor = architecture("videovit-tiny", 4, 8, 32, depth=1, tubelet=(2, 8, 8)).build(seed=3)  # 4 classes, not 6
+    weights = tmp_path / "donor.safetensors"
+    save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(weights))
+    # Its classifier starts new, as in training (before, every rank refused it at its start, after the queue).
+    ps_train.check(ps_train.parse([*tiny, "--model.depth", "1", "--model.weights", str(weights)]))
+    with pytest.raises(ModelError, match="donor.safetensors does not fit the model"):
+        ps_train.check(ps_train.parse([*tiny, "--model.depth", "2", "--model.weights", str(weights)]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,26 @@ def test_pretraining_refuses_what_it_cannot_do_in_one_line(tiny_store: Path, tmp
         errors = [line for line in result.stderr.splitlines() if "clipforge: error" in line]
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert len(errors) == 1 and expected in errors[0], errors
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--data.class-balance", "loss"], "a loss weighted by class or smoothed labels acts on labels"),
+        (["--optim.label-smoothing", "0.1"], "a loss weighted by class or smoothed labels acts on labels"),
+        (["--parallel.activation-checkpointing"], "activation checkpointing would recompute all of it"),
+    ],
+)
+def test_pretraining_refuses_label_settings_and_a_checkpointing_that_saves_nothing(
+    tiny_store: Path, flags: list[str], says: str
+) -> None:
+    """Once accepted and ignored (the labels' settings), or worse than ignored (a second forward pass)."""
+    from clipforge.jobs import train
+    from clipforge.models.settings import TrainError
+
+    cfg = train.parse(["--data.store", str(tiny_store), "--objective", "mae", *TINY, *flags])
+    with pytest.raises(TrainError, match=re.escape(says)):
+        train.check(cfg)
 
 
 def test_the_targets_are_each_tubelets_pixels_normalised_by_its_own_mean_and_deviation_unless_asked_not_to() -> None:
