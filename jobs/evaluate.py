@@ -94,7 +94,13 @@ def prepared(cfg: Config) -> tuple[RunDir, RunRecord, ClipStore, Views]:
     StoredVideos(store, cfg.split)  # the split exists
     if cfg.batch < 1 or cfg.workers < 0:
         raise config.ConfigError(f"batch must be at least 1 and workers 0 or more, got {cfg.batch} and {cfg.workers}")
-    return run, record, store, cfg.views.check(record.crop, store.params["height"], store.params["width"])
+    views = cfg.views.check(record.crop, store.params["height"], store.params["width"])
+    if views.source == "store" and cfg.videos_root is not None:
+        raise config.ConfigError(
+            f"--videos-root {cfg.videos_root} is read only with --views.source videos (the clips come from the "
+            "store otherwise); drop it or add --views.source videos"
+        )
+    return run, record, store, views
 
 
 def check(cfg: Config) -> None:

@@ -67,6 +67,11 @@ class Config(TrainSettings):
 def parse(argv: list[str] | None = None) -> Config:
     cfg = config.parse(Config, argv)
     if cfg.elastic_min_nodes is not None:
+        if cfg.resources.min_nodes not in (None, cfg.elastic_min_nodes):
+            raise config.ConfigError(
+                f"--min-nodes {cfg.resources.min_nodes} with --elastic-min-nodes {cfg.elastic_min_nodes}: the job asks "
+                "Slurm for --elastic-min-nodes; give one of them"
+            )
         cfg.resources.min_nodes = cfg.elastic_min_nodes
     return cfg
 

@@ -45,6 +45,11 @@ def preflight(source: Path, out: Path, params: ClipParams, options: PackOptions)
         raise PackError(f"--max-shard-clips is {options.max_shard_clips}; give a number of clips, at least 1")
     if not 1 <= options.jpeg_quality <= 100:
         raise PackError(f"--jpeg-quality is {options.jpeg_quality}; give a JPEG quality from 1 to 100")
+    if options.codec != "jpeg" and options.jpeg_quality != PackOptions.jpeg_quality:
+        raise PackError(
+            f"--jpeg-quality {options.jpeg_quality} applies to --codec jpeg, and this store is {options.codec}; drop "
+            "it or add --codec jpeg"
+        )
     probe_corpus(source)
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -101,6 +101,7 @@ def test_a_user_mistake_on_the_command_line_is_one_line_without_traceback(tmp_pa
         ("ps_train", ["--data.workers", "4"], "--data.workers 4: a parameter-server trainer"),
         ("ps_train", ["--gpus-per-node", "2"], "--gpus-per-node 2: the parameter server and its trainers run on CPUs"),
         ("ps_train", ["--model.weights", "registry:tiny@v1"], "does not fetch registry versions; fetch it with"),
+        ("train", ["--elastic-min-nodes", "1", "--min-nodes", "2", "--nodes", "2"], "--min-nodes 2 with --elastic"),
     ],
 )
 def test_an_option_a_job_would_ignore_is_refused_in_one_line_before_it_starts(
@@ -113,10 +114,9 @@ def test_an_option_a_job_would_ignore_is_refused_in_one_line_before_it_starts(
     from clipforge.base.errors import UserError
 
     module = importlib.import_module(f"clipforge.jobs.{job}")
-    cfg = module.parse(["--data.store", str(tiny_store), "--model.name", "videovit-tiny", "--model.depth", "1",
-                        "--model.tubelet", "2", "8", "8", *flags])  # fmt: skip
+    argv = ["--data.store", str(tiny_store), "--model.name", "videovit-tiny", "--model.depth", "1", "--model.tubelet"]
     with pytest.raises(UserError, match=re.escape(says)):
-        module.check(cfg)
+        module.check(module.parse([*argv, "2", "8", "8", *flags]))
 
 
 def test_a_parameter_server_job_takes_weights_for_other_classes_and_refuses_weights_that_do_not_fit(

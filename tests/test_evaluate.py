@@ -90,6 +90,16 @@ def test_views_the_model_cannot_take_are_refused_in_one_line(zero_free_run: Path
     assert "use --views.spatial 1" in result.stderr.strip().splitlines()[-1]
 
 
+def test_a_videos_root_with_views_from_the_store_is_refused_in_one_line(cropped_run: Path) -> None:
+    """Once accepted and ignored: the clips come from the store unless the views decode the videos again."""
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import evaluate
+
+    cfg = evaluate.parse(["--run", str(cropped_run), "--videos-root", "/elsewhere"])
+    with pytest.raises(job_config.ConfigError, match="--videos-root /elsewhere is read only with --views.source"):
+        evaluate.check(cfg)
+
+
 @pytest.fixture(scope="module")
 def zero_free_run(cropped_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The cropped run's record with its crop removed: a model that sees whole frames."""

@@ -52,6 +52,7 @@ def packing_mistakes(tmp: Path, corpus: Path, store: Path) -> dict[str, tuple[li
         "wrong root": ([str(tmp / "wrong-root.csv")], "none of its first 5 videos can be packed"),
         "bad manifest": ([str(tmp / "bad.jsonl")], "bad.jsonl:2: not a JSON object"),
         "height 0": ([str(corpus), "--height", "0"], "height: must be at least 1, got 0"),
+        "jpeg quality of a raw store": ([str(corpus), "--jpeg-quality", "80"], "applies to --codec jpeg"),
         "out is a file": ([str(corpus), "--out", str(tmp / "a-file")], "is a file; give a directory"),
         "other store": (
             [str(corpus), "--out", str(store), "--height", str(store_params["height"] * 2)],
