@@ -59,8 +59,9 @@ from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs, dpsgd, privacy
-from clipforge.ps.federated import DATA_READ, FederatedPlan
+from clipforge.ps.federated import FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
+from clipforge.ps.worker import DATA_READ
 from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.fl_train")
@@ -189,9 +190,10 @@ def check(cfg: Config) -> None:
     arch = architecture(cfg.model.name, len(store.classes), store.params["clip_frames"], size, **cfg.model.overrides())
     if problem := arch.input.problem(store.params["clip_frames"], size, cfg.data.crop or width):
         raise config.ConfigError(f"model {cfg.model.name} {problem} (store {cfg.data.store}); change the crop or model")
+    model = arch.build(seed=0)
     if cfg.model.weights is not None and cfg.model.registry_reference() is None:
-        start_from(arch.build(seed=0), Path(cfg.model.weights))  # they fit (a new head for other classes), or one line
-    if cfg.dp.sample_noise_multiplier > 0 and (why := dpsgd.problem(arch.build(seed=0))):
+        start_from(model, Path(cfg.model.weights))  # they fit (a new head for other classes), or one line
+    if cfg.dp.sample_noise_multiplier > 0 and (why := dpsgd.problem(model)):
         raise config.ConfigError(
             f"--dp.sample-noise-multiplier with --model.name {cfg.model.name}: Opacus cannot train it with DP-SGD "
             f"({why}); choose a videovit model"

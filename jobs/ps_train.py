@@ -31,6 +31,7 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
         )
 
 import dataclasses
+from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -40,6 +41,7 @@ from clipforge.hpc.distenv import dist_env, share_cores
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
+from clipforge.models.builders import start_from
 from clipforge.ps import run as ps
 from clipforge.ps.run import PSSettings
 from clipforge.rundir import RunDir
@@ -75,7 +77,9 @@ def check(cfg: Config) -> None:
             f"--gpus-per-node {cfg.resources.gpus_per_node}: the parameter server and its trainers run on CPUs; "
             "leave it out"
         )
-    ps.check(cfg, cfg.servers + cfg.trainers)
+    _, arch = ps.check(cfg, cfg.servers + cfg.trainers)
+    if cfg.model.weights is not None:  # they fit (a new head for other classes), or one line; each rank loads them
+        start_from(arch.build(seed=0), Path(cfg.model.weights))
 
 
 def main(cfg: Config) -> dict | None:

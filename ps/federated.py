@@ -38,11 +38,6 @@ from .worker import Augment, partition
 log = logging.getLogger(__name__)
 
 
-DATA_READ = ("store", "train_split", "eval_split", "crop", "flip")
-"""The --data.* options federated training reads (the server's store and splits, the clients' crop and flip); the
-clients train without a loader, mixup, CutMix, class balance or shard-order shuffle."""
-
-
 @dataclasses.dataclass
 class FederatedPlan:
     """What the server needs to run the federation; written by the job into the run directory."""
@@ -96,7 +91,7 @@ class FederatedPlan:
     """The weights file the global model starts from (a published, imported or registry model, a finished run's),
     read by the server before round 1 only; None: the seed's initialisation."""
     start_source: str | None = None
-    """``--model.weights`` as given (a path or registry:NAME@REF), for the record."""
+    """Where the weights came from, for the record: ``registry:NAME@REF`` as given, or the local file."""
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))

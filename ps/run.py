@@ -56,11 +56,6 @@ class PSSettings:
     trainer: worker.TrainerSettings = dataclasses.field(default_factory=worker.TrainerSettings)
 
 
-DATA_READ = ("store", "train_split", "eval_split", "crop", "flip")
-"""The --data.* options a parameter-server job reads; any other set is refused (no loader, mixup, class balance or
-shard-order shuffle on this path)."""
-
-
 def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     """Refuse what cannot work before any process starts."""
     if s.servers < 1 or world_size - s.servers < 1:
@@ -68,7 +63,7 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
             f"{world_size} tasks cannot hold {s.servers} server(s) and at least one trainer; ask for more tasks or "
             "fewer servers"
         )
-    unread = s.data.set_but_unread(DATA_READ)
+    unread = s.data.set_but_unread(worker.DATA_READ)
     if unread:
         raise PSError(
             f"{unread}: a parameter-server trainer reads its own share in its own process, in its own seeded order, "
@@ -91,8 +86,6 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
     problem = arch.input.problem(p["clip_frames"], size, s.data.crop or p["width"])
     if problem:
         raise PSError(f"model {s.model.name} {problem}")
-    if s.model.weights is not None:
-        start_from(arch.build(seed=0), Path(s.model.weights))  # they fit (a new head for other classes), or one line
     return store, arch
 
 

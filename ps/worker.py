@@ -44,6 +44,12 @@ class TrainerSettings:
     """Trainer 0 evaluates its current copy of the model every N iterations (0: never), for time-to-accuracy."""
 
 
+DATA_READ = ("store", "train_split", "eval_split", "crop", "flip")
+"""The --data.* options the parameter server's trainers and the federated clients read: each takes its own share
+(:func:`partition`) in a seeded order, crops and flips it (:class:`Augment`) and trains with plain cross-entropy,
+without a loader, mixup, CutMix, class balance or shard-order shuffle. Their jobs refuse any other option set."""
+
+
 def partition(labels: np.ndarray, parts: int, how: str, seed: int) -> list[np.ndarray]:
     """Indices of each trainer's share: a seeded random split, or contiguous runs of classes (non-IID)."""
     if how == "iid":
