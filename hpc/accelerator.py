@@ -91,9 +91,9 @@ def matmul_tflops(device: torch.device, seconds: float | None = None, dtype: tor
     fastest of the timed groups of four matmuls, not their mean: on a shared node the other processes slow some
     groups, and a peak read low makes MFU read high (above 1, in a busy test suite).
     """
-    n = 8192 if device.type == "cuda" else 1024
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     seconds = seconds if seconds is not None else 0.5 if device.type == "cuda" else 0.2
+    n = 8192 if device.type == "cuda" else _cpu_size(dtype, seconds)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up: kernel selection, thread pool
@@ -108,6 +108,20 @@ def matmul_tflops(device: torch.device, seconds: float | None = None, dtype: tor
         best = max(best, 4 * 2 * n**3 / (now - group) / 1e12)
         if now - start >= seconds:
             return best
+
+
+def _cpu_size(dtype: torch.dtype, seconds: float) -> int:
+    """1024, or 256 where one 1024x1024 matmul in ``dtype`` would take longer than ``seconds``.
+
+    A CPU without fp16 arithmetic (most x86 cores) multiplies fp16 matrices about a hundred times slower than
+    fp32 ones: five 1024x1024 fp16 matmuls took 15 s on one core here, at the start of every fp16 run. A 1024
+    matmul costs 64 of 256 ones, so one timed 256 matmul tells which size fits.
+    """
+    a = torch.randn(256, 256, dtype=dtype)
+    torch.matmul(a, a)
+    start = time.perf_counter()
+    torch.matmul(a, a)
+    return 1024 if 64 * (time.perf_counter() - start) <= seconds else 256
 
 
 def _sync(device: torch.device) -> None:
