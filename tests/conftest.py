@@ -201,6 +201,8 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         for name in federations.ONE_ROUND:
             work.start(name, federations.one_round, store, name)
         work.start("killed", federations.killed_after_round_one, store)
+    if "non_iid" in needs:
+        work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
