@@ -39,11 +39,12 @@ def evaluate_logits(
 ) -> dict[str, Any]:
     """Clip and video top-1/top-5, per-class accuracy (video level) and the confusion matrix."""
     probs = softmax(logits.astype(np.float64))
-    videos = np.unique(video_ids)
-    video_probs = (
-        np.stack([probs[video_ids == v].mean(axis=0) for v in videos]) if len(videos) else np.zeros((0, len(classes)))
-    )
-    video_labels = np.array([labels[video_ids == v][0] for v in videos], dtype=np.int64)
+    # One pass over the clips, not one per video: a split of 250k videos in 1M clips took minutes per evaluation.
+    videos, first, of_video = np.unique(video_ids, return_index=True, return_inverse=True)
+    video_probs = np.zeros((len(videos), probs.shape[1]))
+    np.add.at(video_probs, of_video.reshape(-1), probs)
+    video_probs /= np.bincount(of_video.reshape(-1), minlength=len(videos))[:, None].clip(min=1)
+    video_labels = labels[first].astype(np.int64)
     return {
         "clips": int(len(labels)),
         "clip_top1": topk(probs, labels, 1),
@@ -56,8 +57,7 @@ def video_metrics(video_probs: np.ndarray, video_labels: np.ndarray, classes: li
     """Video top-1/top-5, per-class accuracy and the confusion matrix, from each video's averaged softmax."""
     predicted = video_probs.argmax(axis=1) if len(video_labels) else np.zeros(0, np.int64)
     confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
-    for truth, guess in zip(video_labels, predicted):
-        confusion[truth, guess] += 1
+    np.add.at(confusion, (video_labels, predicted), 1)
     per_class = {
         c: float(confusion[i, i] / confusion[i].sum()) if confusion[i].sum() else None for i, c in enumerate(classes)
     }

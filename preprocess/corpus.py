@@ -222,6 +222,16 @@ def assemble(listing: Listing, checks: list[PathCheck], ratios: SplitRatios = Sp
     return Corpus(root=listing.root.resolve(), videos=videos, classes=classes, skipped=skipped, sizes=sizes)
 
 
+def _utf8(name: str) -> bool:
+    """Whether ``name`` is text: os.walk gives a name that is not valid UTF-8 (a Latin-1 name from an old archive)
+    as surrogate escapes, which nothing that writes text can encode."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _scan_tree(root: Path) -> tuple[list[tuple[str, str, str | None]], list[tuple[str, str]]]:
     entries: list[tuple[str, str, str | None]] = []
     skipped: list[tuple[str, str]] = []
@@ -230,7 +240,10 @@ def _scan_tree(root: Path) -> tuple[list[tuple[str, str, str | None]], list[tupl
         rel_dir = Path(dirpath).relative_to(root)
         for name in sorted(filenames):
             rel = (rel_dir / name).as_posix()
-            if len(rel_dir.parts) != 1:
+            if not _utf8(rel):  # the store's index, videos.json and the ranks' work list hold names as UTF-8
+                printable = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                skipped.append((printable, "its name is not valid UTF-8; rename it (e.g. convmv -f latin1 -t utf-8)"))
+            elif len(rel_dir.parts) != 1:
                 skipped.append((rel, "not inside a class folder (expected root/<class>/<video>)"))
             elif Path(name).suffix.lower() not in VIDEO_EXTENSIONS:
                 skipped.append((rel, f"extension {Path(name).suffix or '(none)'} is not a video extension"))

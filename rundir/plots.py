@@ -8,8 +8,11 @@ from typing import Any
 import numpy as np
 
 
-def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[Path]:
-    """Loss and accuracy curves from a run's metrics rows and the last confusion matrix, as PNG files in ``out``."""
+def plot_run(
+    rows: list[dict[str, Any]], classes: list[str], out: Path, confusion: list[list[int]] | None = None
+) -> list[Path]:
+    """Loss and accuracy curves from a run's metrics rows, and the final evaluation's ``confusion`` matrix, as PNG
+    files in ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,19 +41,38 @@ def plot_run(rows: list[dict[str, Any]], classes: list[str], out: Path) -> list[
     fig.savefig(out / "curves.png", dpi=100)
     plt.close(fig)
     paths.append(out / "curves.png")
-    if scored:
-        confusion = np.array(scored[-1]["confusion"])
-        fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(classes), 1 + 0.6 * len(classes)))
-        ax.imshow(confusion, cmap="Blues")
-        ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-        ax.set_yticks(range(len(classes)), classes)
-        ax.set_xlabel("predicted"), ax.set_ylabel("true")
-        for i in range(len(classes)):
-            for j in range(len(classes)):
-                ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8)
-        ax.set_title(f"{scored[-1]['split']} videos, step {scored[-1]['step']}")
-        fig.tight_layout()
-        fig.savefig(out / "confusion.png", dpi=100)
-        plt.close(fig)
-        paths.append(out / "confusion.png")
+    if scored and confusion is not None:
+        paths.append(plot_confusion(np.array(confusion), classes, scored[-1], out / "confusion.png"))
     return paths
+
+
+LABELLED_CLASSES = 30
+"""Up to this many classes the confusion matrix names each class and prints each cell's count."""
+
+
+def plot_confusion(confusion: np.ndarray, classes: list[str], row: dict[str, Any], path: Path) -> Path:
+    """The confusion matrix as an image: named and counted cell by cell for a few classes; for more (Kinetics' 400),
+    a fixed-size heat map with every tenth class numbered. Sized by the class count, a 400-class figure was
+    24000 px square with 160000 text labels and took minutes and gigabytes at the end of every run."""
+    import matplotlib.pyplot as plt
+
+    n = len(classes)
+    side = 1 + 0.6 * n if n <= LABELLED_CLASSES else 10
+    fig, ax = plt.subplots(figsize=(side + 0.2, side))
+    image = ax.imshow(confusion, cmap="Blues", interpolation="nearest")
+    if n <= LABELLED_CLASSES:
+        ax.set_xticks(range(n), classes, rotation=45, ha="right")
+        ax.set_yticks(range(n), classes)
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8)
+    else:  # the class names by index are in the run's record and eval.json
+        ticks = range(0, n, max(1, n // 10))
+        ax.set_xticks(ticks), ax.set_yticks(ticks)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="videos")
+    ax.set_xlabel("predicted class"), ax.set_ylabel("true class")
+    ax.set_title(f"{row['split']} videos, step {row['step']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -3,14 +3,15 @@
 A run directory, as every training mode leaves it (DeepSpeed or parameter server)::
 
     config.yaml              the resolved job config
-    metrics.jsonl            a row per step, evaluation and checkpoint ({"kind": "train" | "eval" | "checkpoint" | ...})
+    metrics.jsonl            a row per step, evaluation and checkpoint ({"kind": "train" | "eval" | "checkpoint" | ...};
+                             an evaluation's row has its scalars, not its per-class figures)
     tensorboard/             TensorBoard events
     checkpoints/step-N/      DeepSpeed checkpoints, each with complete.json (see checkpoints.py)
     ps/server-K.pt           parameter-server shard checkpoints
     rounds/round-N.safetensors  the global model after federated round N (the last few)
     final/model.safetensors  consolidated fp32 weights of the plain model
     final/run.json           the RunRecord: what evaluation, prediction and the registry need
-    eval.json                the final evaluation in full (confusion matrix included)
+    eval.json                the final evaluation in full (per-class accuracy and confusion matrix included)
     eval-<split>.json        later evaluations on other splits
     plots/                   loss and accuracy curves, confusion matrix (PNG)
 """
@@ -37,6 +38,8 @@ WEIGHTS = "model.safetensors"
 RECORD = "run.json"
 EVALUATION = "eval.json"
 ROUNDS = "rounds"
+PER_CLASS = ("confusion", "per_class_accuracy")
+"""What an evaluation's row in metrics.jsonl leaves to eval.json (see :meth:`RunDir.append_metrics`)."""
 
 
 class RunDirError(UserError):
@@ -131,8 +134,14 @@ class RunDir:
 
     # -- metrics -------------------------------------------------------------------
     def append_metrics(self, *rows: dict[str, Any]) -> None:
-        """Rows of metrics.jsonl, in one append (rank 0 only: the file has one writer)."""
+        """Rows of metrics.jsonl, in one append (rank 0 only: the file has one writer).
+
+        An evaluation's row keeps its scalars. Its confusion matrix and per-class accuracy grow with the square of
+        the class count (2.9 MiB a row at 1000 classes: gigabytes over a long run, all read back at its end), so
+        only the final evaluation keeps them, in eval.json.
+        """
         self.prepare()
+        rows = tuple({k: v for k, v in r.items() if k not in PER_CLASS} if r.get("kind") == "eval" else r for r in rows)
         with open(self.root / METRICS, "a") as f:
             f.write("".join(json.dumps(row, default=float) + "\n" for row in rows))
 
@@ -154,7 +163,7 @@ class RunDir:
         save_file({k: v.contiguous() for k, v in state.items()}, str(self.weights))
         write_json(self.root / EVALUATION, metrics)
         write_json(final / RECORD, record.to_dict())
-        plot_run(self.metrics(), record.classes, self.root / "plots")
+        plot_run(self.metrics(), record.classes, self.root / "plots", metrics.get("confusion"))
         return self.weights
 
     def write_imported(self, state: dict[str, Any], record: RunRecord) -> Path:

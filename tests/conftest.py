@@ -87,6 +87,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, sample_videos: list[Path]) 
     )
     synthetic.write_video(root / "move_down" / "short.mp4", synthetic.VideoSpec("move_down", frames=6, seed=7))
     (root / "move_down" / "notes.txt").write_text("not a video")
+    shutil.copy(root / "move_down" / "short.mp4", root / "move_down" / os.fsdecode(b"caf\xe9.mp4"))  # Latin-1 name
     for video in sample_videos:
         (root / "samples").mkdir(exist_ok=True)
         shutil.copy(video, root / "samples" / video.name)
@@ -201,8 +202,6 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         for name in federations.ONE_ROUND:
             work.start(name, federations.one_round, store, name)
         work.start("killed", federations.killed_after_round_one, store)
-    if "non_iid" in needs:
-        work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
@@ -210,6 +209,8 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if "trained" in needs:
         work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
                    request.getfixturevalue("tiny_store"), helpers.EARLY_TRAININGS)  # fmt: skip
+    if "non_iid" in needs:  # after the trainings, which test_evaluate.py waits for: test_fl.py checks it later
+        work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
         work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
     if "late_trained" in needs:

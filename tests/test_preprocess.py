@@ -147,6 +147,8 @@ def test_broken_videos_land_in_errors_jsonl_and_the_rest_is_packed(clean_store: 
     failed = {e["path"] for e in errors if e["video_id"] is not None and not e["reason"].startswith("skipped")}
     assert failed == BROKEN
     assert any(e["path"] == "move_down/notes.txt" for e in errors)
+    # A name that is not UTF-8 (Latin-1 here) is skipped with its reason, shown with a replacement character.
+    assert any(e["path"] == "move_down/caf\ufffd.mp4" and "not valid UTF-8" in e["reason"] for e in errors), errors
     s = ClipStore.open(clean_store)
     ok = {p for p, status in zip(s.videos["path"], s.videos["status"]) if status == "ok"}
     assert {"move_up/rotated.mp4", "move_up/no_duration.h264", "move_down/short.mp4", "samples/bikes.mp4"} <= ok

@@ -270,3 +270,28 @@ def test_an_elastic_restart_that_cannot_keep_the_run_is_refused(tmp_path: Path, 
     index = written_by(tmp_path, data_parallel=4, global_batch=8)
     with pytest.raises(TrainError, match=message):
         plan_resume(s, index, MAIN, dp_size=2, elastic=True, fetch_weights=None)
+
+
+def test_at_a_thousand_classes_an_evaluation_row_keeps_its_scalars_and_the_confusion_plot_stays_small(
+    tmp_path: Path,
+) -> None:
+    import matplotlib.image
+    import numpy as np
+
+    from clipforge.rundir import RunDir
+    from clipforge.rundir.plots import plot_run
+
+    classes = [f"class {i}" for i in range(1000)]
+    confusion = np.diag(np.arange(1000) % 5).tolist()
+    per_class = dict.fromkeys(classes, 0.5)
+    run = RunDir(tmp_path / "run")
+    run.append_metrics({"kind": "train", "step": 1, "loss": 2.0})
+    run.append_metrics({"kind": "eval", "step": 1, "split": "val", "loss": 1.0, "clip_top1": 0.5, "video_top1": 0.5,
+                        "confusion": confusion, "per_class_accuracy": per_class})  # fmt: skip
+    (row,) = run.metrics("eval")
+    assert row == {"kind": "eval", "step": 1, "split": "val", "loss": 1.0, "clip_top1": 0.5, "video_top1": 0.5}
+    assert (tmp_path / "run" / "metrics.jsonl").stat().st_size < 1000  # 2.9 MiB with the matrix
+    paths = plot_run(run.metrics(), classes, tmp_path / "plots", confusion)
+    assert [p.name for p in paths] == ["curves.png", "confusion.png"]
+    height, width, _ = matplotlib.image.imread(paths[1]).shape
+    assert height <= 1100 and width <= 1100  # sized by the class count it was 60100 px square
