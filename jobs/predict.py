@@ -72,7 +72,8 @@ class Config:
     """How many classes to keep per video."""
     out: Path | None = None
     """Write one JSON line per video here; a rerun skips the videos it already holds."""
-    views: Views = dataclasses.field(default_factory=Views)
+    views: Views = dataclasses.field(default_factory=lambda: Views(source="videos"))
+    """The views of each video, decoded from the file (prediction has no store to take them from)."""
     batch: int = 16
     """Views per forward pass."""
     workers: int = 1
@@ -100,6 +101,11 @@ def checked(cfg: Config) -> tuple[ClipParams, list[Path]]:
     _, record = classifier_run(cfg.run)
     params = ClipParams.recorded(record.data_fingerprint["params"])
     cfg.views.check(record.crop, params.height, params.width)
+    if cfg.views.source != "videos":
+        raise config.ConfigError(
+            f"--views.source {cfg.views.source}: prediction decodes the videos it is given, which are in no store; "
+            "leave it out"
+        )
     if not cfg.videos and cfg.manifest is None:
         raise config.ConfigError("no videos to classify: name video files, or a --manifest listing them")
     if cfg.top < 1 or cfg.batch < 1 or cfg.workers < 0:

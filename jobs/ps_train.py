@@ -31,6 +31,7 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
         )
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -38,7 +39,7 @@ import tyro
 
 from clipforge.base.logs import setup_logging
 from clipforge.hpc.distenv import dist_env, share_cores
-from clipforge.hpc.launch import JobSpec, Launch, run_script
+from clipforge.hpc.launch import JobSpec, Launch, context, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.models.builders import start_from
@@ -72,6 +73,14 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a job that cannot work before anything is submitted."""
+    tasks = cfg.servers + cfg.trainers
+    if context() in ("batch", "allocation") and int(os.environ.get("SLURM_NTASKS", 1)) != tasks:
+        # Inside sbatch or salloc the allocation's tasks are the ranks: every task after the servers trains.
+        given = int(os.environ.get("SLURM_NTASKS", 1))
+        raise config.ConfigError(
+            f"--servers {cfg.servers} --trainers {cfg.trainers} make {tasks} tasks, and this allocation has {given}: "
+            f"give --trainers {given - cfg.servers}, or ask sbatch or salloc for {tasks} tasks (--ntasks {tasks})"
+        )
     if cfg.resources.gpus_per_node:
         raise config.ConfigError(
             f"--gpus-per-node {cfg.resources.gpus_per_node}: the parameter server and its trainers run on CPUs; "

@@ -232,6 +232,10 @@ class TrainSettings:
     """Complete checkpoints to keep."""
     log_every: int = 10
     """Log a progress line every N steps."""
+    preemption_poll_s: float = 10.0
+    """About this many seconds of training at most between the ranks' checks for a preemption notice (Slurm's USR2,
+    sent --signal-delay-s before the kill; it must cover this and a checkpoint's save). Where --log-every steps take
+    longer, a check ends the log window early: after as many steps as take this long at the last window's rate."""
     seed: int = 0
     """Seed of sampling, augmentation and initialisation."""
     bf16_mode: Literal["auto", "autocast", "weights"] = "auto"
@@ -299,6 +303,8 @@ def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Arch
     steps_of_epochs(s, len(train_set), s.batch_per_rank * s.grad_accum * dp)
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
+    if not s.preemption_poll_s > 0:
+        raise TrainError(f"--preemption-poll-s {s.preemption_poll_s}: give a number of seconds above 0")
     return store, arch
 
 

@@ -9,6 +9,8 @@ requeue computes the same losses as one that never stopped.
 The loop never waits for the device by accident: a step's loss stays there
 until the end of its log window, when the window's losses, the preemption
 flag and the checkpoint writer's health cross to the host in one collective.
+A window ends every --log-every steps, or sooner where those take longer
+than --preemption-poll-s, so a preemption notice is acted on in time.
 Checkpoints block only for a snapshot in host memory.
 
 This module is the loop. What the run is asked to do is in :mod:`.settings`,
@@ -23,7 +25,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -190,6 +194,9 @@ class Trainer:
         load_planned(self.engine, self.plan, self.run_dir.checkpoints, self.dist)
         self.step = self.plan.step
         self.preemption = Preemption(self.max_requeues)
+        # Steps per log window at most, so that the ranks check for a preemption notice every --preemption-poll-s:
+        # --log-every until a first window has timed the steps (then set at each window's end).
+        self._poll_steps = s.log_every
         clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
         flops = self.arch.flops() if self.arch.flops else None
         self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main, s.precision)
@@ -235,6 +242,7 @@ class Trainer:
         until = s.steps if until is None else min(until, s.steps)
         losses: list[torch.Tensor] = []
         counted = self.step
+        self._window_started = time.perf_counter()
         while self.step < until:
             torch.manual_seed(s.seed * 1_000_003 + self.step)  # dropout and drop-path repeat after a resume
             losses.append(self.layout.train_step(self.engine, self._batches, self.plan.grad_accum))
@@ -248,7 +256,7 @@ class Trainer:
                 self.checkpointer.save(self.step)
             if self.step < s.steps and self.step % s.eval_every == 0 and self.layout.evaluates_while_training:
                 self.records.evaluation(self.step, self.evaluate())
-            if self.step % s.log_every == 0 or self.step == until:
+            if self.step % s.log_every == 0 or self.step == until or len(losses) >= self._poll_steps:
                 preempted = self._window_end(losses, self.step - counted)
                 losses, counted = [], self.step
                 if preempted:
@@ -258,15 +266,21 @@ class Trainer:
     def _window_end(self, losses: list[torch.Tensor], uncounted: int) -> bool:
         """The window's losses, the preemption flag and the writer's health, in one collective; True: preempted."""
         local = torch.stack(losses)
-        flags = torch.tensor([float(self.preemption.flag), float(self.checkpointer.write_failed())])
+        self._synchronize()
+        step_s = (time.perf_counter() - self._window_started) / len(losses)
+        flags = torch.tensor([float(self.preemption.flag), float(self.checkpointer.write_failed()), step_s])
         if self.dist.world_size > 1:
             vector = torch.cat([local.to(collective_device()), flags.to(collective_device())])
             torch.distributed.all_reduce(vector)
             mean = local if self.layout.losses_are_global else vector[: len(losses)] / self.dp_size
-            host, (preempted, failed) = mean.tolist(), vector[len(losses) :].tolist()
+            host, (preempted, failed, step_s) = mean.tolist(), vector[len(losses) :].tolist()
+            step_s /= self.dist.world_size
         else:
-            host, (preempted, failed) = local.tolist(), flags.tolist()
-        self._synchronize()
+            host, (preempted, failed, step_s) = local.tolist(), flags.tolist()
+        # Every rank has the same sum, so every rank ends its next window at the same step. Steps of 0.1 s under the
+        # default 10 s check every 100 steps, so --log-every decides; steps of 5 s check every 2 steps.
+        self._poll_steps = max(1, math.ceil(self.settings.preemption_poll_s / step_s)) if step_s > 0 else 1
+        self._window_started = time.perf_counter()
         self.throughput.steps_done(uncounted)
         self.records.window(host)
         self.records.checkpoint(self.checkpointer.finished())

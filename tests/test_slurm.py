@@ -116,3 +116,17 @@ def test_a_job_at_its_time_limit_checkpoints_requeues_and_gives_up_after_the_bou
     assert "not requeuing: the job has been requeued 1 times (bound 1)" in log
     final = json.loads((state / "state.json").read_text())
     assert final["restart_count"] == 1 and final["step"] > 0
+
+
+def test_sbatch_of_a_parameter_server_job_whose_trainers_do_not_fill_the_allocation_is_refused_in_one_line(
+    slurm, tiny_store: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "ps.out"
+    # The script's header asks for 3 tasks: 1 server and 2 trainers. Inside the job every task after the servers
+    # trains, so --trainers 4 was once ignored (the job ran 2).
+    where = options(data__store=tiny_store, run_dir=tmp_path / "run", trainers=4)
+    result = sbatch_wait(f"--output={out}", str(REPO / "jobs" / "ps_train.py"), *where)
+    assert result.returncode != 0
+    log = out.read_text()
+    assert "--servers 1 --trainers 4 make 5 tasks, and this allocation has 3: give --trainers 2" in log, log[-3000:]
+    assert "Traceback" not in log and not (tmp_path / "run").exists()

@@ -110,11 +110,21 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_the_same_losses(
     assert "written by 2 data-parallel ranks and this job has 1: run it on 2" in refused.stderr
 
 
-def test_a_second_training_job_on_a_run_directory_is_refused_in_one_line(
+def trained_steps(run: Path) -> list[int]:
+    """The steps in a running training's metrics.jsonl so far (its last line may be half-written)."""
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.startswith('{"kind": "train"') and line.endswith("}")]
+
+
+def test_a_second_training_job_on_a_run_directory_is_refused_and_the_first_checkpoints_on_a_preemption_notice(
     mpiexec, tiny_store: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    first = train(mpiexec, tiny_store, run, ranks=1, steps=5_000, wait=False)
+    # Log windows of 30 steps; once the first has timed the steps, the ranks check for a notice every 0.05 s of
+    # training instead (every step here), as they would every 10 s on steps slower than a tenth of that.
+    notice = ["--log-every", "30", "--preemption-poll-s", "0.05"]
+    first = train(mpiexec, tiny_store, run, *notice, ranks=1, steps=5_000, wait=False)
     holder = None
     try:
         deadline = time.monotonic() + 300
@@ -123,16 +133,26 @@ def test_a_second_training_job_on_a_run_directory_is_refused_in_one_line(
             time.sleep(0.05)
         holder = json.loads((run / LOCK_NAME).read_text())["pid"]  # the rank itself, not its launcher
         second = train(mpiexec, tiny_store, run, ranks=1, check=False)
+        while not (steps := [step for step in trained_steps(run) if step > 32]):  # windows of a step or two now
+            assert first.poll() is None and time.monotonic() < deadline, "the first run stopped training"
+            time.sleep(0.02)
+        os.kill(holder, signal.SIGUSR2)  # what Slurm sends --signal-delay-s before a preemption or the time limit
+        assert first.wait(timeout=300) != 0  # saved, then not requeued: no Slurm job to requeue
     finally:
         if holder is not None:  # the launcher's death alone leaves a rank whose output goes nowhere running
             with contextlib.suppress(ProcessLookupError):
                 os.kill(holder, signal.SIGKILL)
-        os.killpg(first.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     errors = [line for line in second.stderr.splitlines() if "clipforge: error" in line]
     assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-3000:]
     assert len(errors) == 1 and "this run directory is being written by process" in errors[0], errors
     assert not (run / "final").exists()  # neither job finished: the refused one wrote nothing
+    # The notice came after step max(steps); the run saved a checkpoint within a few steps, well before the end of
+    # the log window (step 60) where it would otherwise have looked.
+    saved = sorted(int(p.parent.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*/complete.json"))
+    assert len(saved) == 1 and max(steps) < saved[0] <= max(steps) + 5 and saved[0] < 60, (steps, saved)
 
 
 def test_a_run_resumed_on_fewer_ranks_reshards_zero_and_keeps_the_global_batch(
@@ -337,3 +357,8 @@ def test_evaluate_and_predict_take_a_finished_run(zero_runs, tiny_store: Path, t
     assert [p["video"] for p in predictions] == [str(video), str(tmp_path / "broken.mp4")]
     assert len(predictions[0]["top"]) == 2 and "error" in predictions[1]
     assert sum(t["probability"] for t in predictions[0]["top"]) <= 1.0 + 1e-6
+    # Prediction decodes its files: views from a store, once accepted and ignored, are refused in one line.
+    from clipforge.jobs import predict
+
+    with pytest.raises(UserError, match="--views.source store: prediction decodes the videos it is given"):
+        predict.check(predict.parse([str(video), "--run", str(run), "--views.source", "store"]))
