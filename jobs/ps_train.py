@@ -79,7 +79,8 @@ def check(cfg: Config) -> None:
         given = int(os.environ.get("SLURM_NTASKS", 1))
         raise config.ConfigError(
             f"--servers {cfg.servers} --trainers {cfg.trainers} make {tasks} tasks, and this allocation has {given}: "
-            f"give --trainers {given - cfg.servers}, or ask sbatch or salloc for {tasks} tasks (--ntasks {tasks})"
+            f"give --trainers {given - cfg.servers}, or ask sbatch or salloc for {tasks} tasks (e.g. "
+            f"--ntasks-per-node {tasks})"
         )
     if cfg.resources.gpus_per_node:
         raise config.ConfigError(

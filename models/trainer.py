@@ -194,9 +194,10 @@ class Trainer:
         load_planned(self.engine, self.plan, self.run_dir.checkpoints, self.dist)
         self.step = self.plan.step
         self.preemption = Preemption(self.max_requeues)
-        # Steps per log window at most, so that the ranks check for a preemption notice every --preemption-poll-s:
-        # --log-every until a first window has timed the steps (then set at each window's end).
-        self._poll_steps = s.log_every
+        # Steps per log window at most, so that the ranks check for a preemption notice every --preemption-poll-s
+        # (set at each window's end). The first window is the first step alone, which times the steps: a notice
+        # that came during a first window of --log-every slow steps would wait for all of them.
+        self._poll_steps = 1
         clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
         flops = self.arch.flops() if self.arch.flops else None
         self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main, s.precision)

@@ -121,9 +121,9 @@ def test_a_second_training_job_on_a_run_directory_is_refused_and_the_first_check
     mpiexec, tiny_store: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    # Log windows of 30 steps; once the first has timed the steps, the ranks check for a notice every 0.05 s of
-    # training instead (every step here), as they would every 10 s on steps slower than a tenth of that.
-    notice = ["--log-every", "30", "--preemption-poll-s", "0.05"]
+    # Log windows of 1000 steps; after the first step, which times the steps, the ranks check for a notice every
+    # 0.05 s of training instead (every step or two here), as they would every 10 s on steps slower than 0.1 s.
+    notice = ["--log-every", "1000", "--preemption-poll-s", "0.05"]
     first = train(mpiexec, tiny_store, run, *notice, ranks=1, steps=5_000, wait=False)
     holder = None
     try:
@@ -133,7 +133,7 @@ def test_a_second_training_job_on_a_run_directory_is_refused_and_the_first_check
             time.sleep(0.05)
         holder = json.loads((run / LOCK_NAME).read_text())["pid"]  # the rank itself, not its launcher
         second = train(mpiexec, tiny_store, run, ranks=1, check=False)
-        while not (steps := [step for step in trained_steps(run) if step > 32]):  # windows of a step or two now
+        while not (steps := trained_steps(run)):  # the first window, then windows of a step or two
             assert first.poll() is None and time.monotonic() < deadline, "the first run stopped training"
             time.sleep(0.02)
         os.kill(holder, signal.SIGUSR2)  # what Slurm sends --signal-delay-s before a preemption or the time limit
@@ -149,10 +149,11 @@ def test_a_second_training_job_on_a_run_directory_is_refused_and_the_first_check
     assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-3000:]
     assert len(errors) == 1 and "this run directory is being written by process" in errors[0], errors
     assert not (run / "final").exists()  # neither job finished: the refused one wrote nothing
-    # The notice came after step max(steps); the run saved a checkpoint within a few steps, well before the end of
-    # the log window (step 60) where it would otherwise have looked.
+    # The notice came after step max(steps); the run saved a checkpoint a few steps later (the margin covers this
+    # process being descheduled between reading the steps and the kill), not at the end of the log window (step
+    # 1000) where it would otherwise have looked.
     saved = sorted(int(p.parent.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*/complete.json"))
-    assert len(saved) == 1 and max(steps) < saved[0] <= max(steps) + 5 and saved[0] < 60, (steps, saved)
+    assert len(saved) == 1 and max(steps) < saved[0] <= max(steps) + 20, (steps, saved)
 
 
 def test_a_run_resumed_on_fewer_ranks_reshards_zero_and_keeps_the_global_batch(
