@@ -95,7 +95,10 @@ class ShardServer:
         self.staleness: list[int] = []
         self.clock_gaps: list[int] = []
         self.waiting: list[tuple[torch.futures.Future, str, int]] = []
-        self.round: dict[str, dict[str, torch.Tensor]] = {}
+        self.round: set[str] = set()
+        """The trainers whose gradients this sync round holds, summed in :attr:`round_sum`: one buffer per parameter,
+        not one per trainer (16 trainers of a 1 GB shard held 16 GB, and averaging stacked another 16)."""
+        self.round_sum: dict[str, torch.Tensor] = {}
         self.round_futures: list[torch.futures.Future] = []
         self.finished = threading.Event()
         """Every trainer has finished or been dropped."""
@@ -119,7 +122,12 @@ class ShardServer:
         with self.lock:
             self._seen(trainer)
             if self.settings.mode == "sync":
-                self.round[trainer] = grads
+                self.round.add(trainer)
+                for name, grad in grads.items():
+                    if name in self.round_sum:
+                        self.round_sum[name] += grad.float()
+                    else:
+                        self.round_sum[name] = grad.float().clone()
                 self.round_futures.append(done)
                 self.clocks[trainer] = clock
                 self._maybe_finish_round()
@@ -168,11 +176,10 @@ class ShardServer:
     def _maybe_finish_round(self) -> None:
         if not self.round or not self.live.issubset(self.round):
             return
-        names = list(self.params)
-        averaged = {n: torch.stack([g[n].float() for g in self.round.values()]).mean(dim=0) for n in names}
+        averaged = {n: self.round_sum[n] / len(self.round) for n in self.params}
         self.staleness.extend([0] * len(self.round))
         self._apply(averaged)
-        futures, self.round, self.round_futures = self.round_futures, {}, []
+        futures, self.round, self.round_sum, self.round_futures = self.round_futures, set(), {}, []
         for f in futures:
             f.set_result(self.version)
 
