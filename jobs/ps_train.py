@@ -73,10 +73,9 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def check(cfg: Config) -> None:
     """Refuse a job that cannot work before anything is submitted."""
-    tasks = cfg.servers + cfg.trainers
-    if context() in ("batch", "allocation") and int(os.environ.get("SLURM_NTASKS", 1)) != tasks:
+    tasks, given = cfg.servers + cfg.trainers, int(os.environ.get("SLURM_NTASKS", 1))
+    if context() in ("batch", "allocation") and given != tasks:
         # Inside sbatch or salloc the allocation's tasks are the ranks: every task after the servers trains.
-        given = int(os.environ.get("SLURM_NTASKS", 1))
         raise config.ConfigError(
             f"--servers {cfg.servers} --trainers {cfg.trainers} make {tasks} tasks, and this allocation has {given}: "
             f"give --trainers {given - cfg.servers}, or ask sbatch or salloc for {tasks} tasks (e.g. "
@@ -87,7 +86,7 @@ def check(cfg: Config) -> None:
             f"--gpus-per-node {cfg.resources.gpus_per_node}: the parameter server and its trainers run on CPUs; "
             "leave it out"
         )
-    _, arch = ps.check(cfg, cfg.servers + cfg.trainers)
+    _, arch = ps.check(cfg, tasks)
     if cfg.model.weights is not None:  # they fit (a new head for other classes), or one line; each rank loads them
         start_from(arch.build(seed=0), Path(cfg.model.weights))
 

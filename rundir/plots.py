@@ -52,8 +52,9 @@ LABELLED_CLASSES = 30
 
 def plot_confusion(confusion: np.ndarray, classes: list[str], row: dict[str, Any], path: Path) -> Path:
     """The confusion matrix as an image: named and counted cell by cell for a few classes; for more (Kinetics' 400),
-    a fixed-size heat map with every tenth class numbered. Sized by the class count, a 400-class figure was
-    24000 px square with 160000 text labels and took minutes and gigabytes at the end of every run."""
+    a fixed-size heat map with every tenth class numbered. Sized by the class count with a label in every cell, the
+    plot took 24.5 s and 2.4 GiB at 140 classes, growing with the square of the count (a 400-class figure: 24000 px
+    square, 160000 labels), at the end of every run."""
     import matplotlib.pyplot as plt
 
     n = len(classes)

@@ -25,8 +25,10 @@ ONE_ROUND = {
 """One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""
 START_SEED = 7
 """The "start" round's global model starts from TINY's initialisation at this seed, not the run's seed 0."""
-NON_IID = ["--shares", "by_class", "--rounds", "1", "--local-epochs", "3", "--lr", "0.005"]
-"""The non-IID round: 3 clients with 2 of the 6 classes each, and local steps long enough to drift apart."""
+NON_IID_EPOCHS, NON_IID_LR = 3, 0.005
+"""The non-IID round's local training: long and fast enough for clients of 2 classes each to drift apart."""
+NON_IID = ["--shares", "by_class", "--rounds", "1", "--local-epochs", str(NON_IID_EPOCHS), "--lr", str(NON_IID_LR)]
+"""The non-IID round: 3 clients with 2 of the 6 classes each."""
 NON_IID_MU = 20
 """FedProx's mu there: each local step moves lr x mu = 0.1 of the way back to the global model."""
 

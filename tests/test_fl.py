@@ -22,7 +22,7 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .federations import DP_CLIP, DP_SIGMA, NON_IID_MU, ONE_ROUND, START_SEED
+from .federations import DP_CLIP, DP_SIGMA, NON_IID_EPOCHS, NON_IID_LR, NON_IID_MU, ONE_ROUND, START_SEED
 from .federations import FL_TINY as TINY
 from .helpers import tiny_start
 
@@ -213,7 +213,9 @@ def test_on_clients_split_by_class_fedprox_reaches_fedavg_and_both_beat_a_client
     model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))
     load_weights(model, weights)
     share = partition(train.labels, 3, "by_class", seed=0)[0]
-    train_locally(model, train, share, epochs=3, lr=0.005, batch=4, round_index=1, augment=Augment(None, False, 0))
+    train_locally(
+        model, train, share, NON_IID_EPOCHS, NON_IID_LR, batch=4, round_index=1, augment=Augment(None, False, 0)
+    )
     alone = evaluate_model(model, val, 4, None)["video_top1"]
     # In-process trials of this round (the clients' own training and weighting, without Flower) on 16 seeds of
     # start, partition and shuffling: FedProx above FedAvg by 0.06-0.40 and FedAvg above the client alone by
