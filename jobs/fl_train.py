@@ -96,7 +96,8 @@ class Config:
     secagg_clipping_range: float = 8.0
     """SecAgg+: every weight is clipped to [-range, range] before quantisation."""
     secagg_may_drop: float = 0.0
-    """SecAgg+: the share of a round's clients that may drop after masking without stopping the round."""
+    """SecAgg+: the share of a client's neighbours (up to 2 log2 n + 1 of the round's clients) that may drop after
+    masking without stopping the round."""
     transport: Literal["fp32", "bf16", "fp16"] = "fp32"
     """How clients send their updates: fp32 weights, or their change from the global model in bf16 or fp16 (half
     the bytes up; not with --secagg, which quantises on its own, or --dp.*, whose clipping needs the weights)."""

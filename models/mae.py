@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,7 +33,10 @@ from .clips import center_crop
 @dataclasses.dataclass
 class MaeSettings:
     mask_ratio: float = 0.9
-    """Share of the spatial patches hidden in every frame (tube masking; VideoMAE: 0.9)."""
+    """Share of the tokens hidden from the encoder (VideoMAE: 0.9)."""
+    masking: Literal["tube", "random"] = "tube"
+    """``tube``: the same spatial patches hidden in every time step (VideoMAE's); ``random``: tokens hidden
+    independently (VideoMAE's ablation), so a hidden tubelet can be inferred from its place a moment before."""
     decoder_depth: int = 4
     """Decoder blocks (VideoMAE: 4)."""
     decoder_width: int | None = None
@@ -81,7 +84,8 @@ class MaskedAutoencoder(nn.Module):
     def forward(self, clips: torch.Tensor) -> torch.Tensor:
         tokens = self.encoder[0](clips)  # normalised, embedded, with positions: [B, N, D]
         b, n, _ = tokens.shape
-        visible, masked = tube_mask(b, self.grid_of(clips), self.mae.mask_ratio, tokens.device)
+        draw = tube_mask if self.mae.masking == "tube" else random_mask
+        visible, masked = draw(b, self.grid_of(clips), self.mae.mask_ratio, tokens.device)
         x = _take(tokens, visible)
         for block in self.encoder[1:]:
             x = block(x)
@@ -133,6 +137,14 @@ def tube_mask(batch: int, grid: tuple[int, int, int], ratio: float, device: torc
     return tubes(order[:, :keep]), tubes(order[:, keep:])
 
 
+def random_mask(batch: int, grid: tuple[int, int, int], ratio: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Token indices ``[B, visible]`` and ``[B, masked]``: per clip, ``ratio`` of all the tokens, drawn alike."""
+    tokens = math.prod(grid)
+    keep = max(1, min(tokens - 1, round(tokens * (1.0 - ratio))))
+    order = torch.rand(batch, tokens, device=device).argsort(dim=1)
+    return order[:, :keep].sort(dim=1).values, order[:, keep:].sort(dim=1).values
+
+
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
@@ -148,8 +160,11 @@ def mae_architecture(name: str, frames: int, image_size: int, mae: MaeSettings, 
 def flops(cfg: videovit.VideoViTConfig, mae: MaeSettings) -> int:
     """Forward FLOPs per clip: the encoder over the visible tokens, the decoder over all of them."""
     t, h, w = cfg.grid
-    keep = max(1, min(h * w - 1, round(h * w * (1.0 - mae.mask_ratio))))
-    visible, tokens = t * keep, cfg.tokens
+    if mae.masking == "tube":
+        visible = t * max(1, min(h * w - 1, round(h * w * (1.0 - mae.mask_ratio))))
+    else:
+        visible = max(1, min(cfg.tokens - 1, round(cfg.tokens * (1.0 - mae.mask_ratio))))
+    tokens = cfg.tokens
     width, _ = mae.decoder(cfg.width)
     tp = math.prod(cfg.tubelet)
     embed = 2 * tokens * 3 * tp * cfg.width

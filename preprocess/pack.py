@@ -253,8 +253,7 @@ def _plan(
             len(markers),
             len(todo),
         )
-        for path, reason in corpus.skipped:
-            log.warning("not packed: %s: %s", path, reason)
+        _log_skipped(corpus.skipped)
         return PackPlan(
             table=table,
             todo=todo,
@@ -264,6 +263,23 @@ def _plan(
         )
     except UserError as exc:
         raise PackError(str(exc)) from None
+
+
+SKIPPED_SHOWN = 5
+"""Skipped files named in the log for each reason; the rest are counted (``errors.jsonl`` has every one)."""
+
+
+def _log_skipped(skipped: list[tuple[str, str]]) -> None:
+    """A line per skipped file up to :data:`SKIPPED_SHOWN` for each reason, then one count: a corpus with a
+    sidecar file beside each of a million videos would otherwise write a million lines into the Slurm log."""
+    by_reason: dict[str, list[str]] = {}
+    for path, reason in skipped:
+        by_reason.setdefault(reason, []).append(path)
+    for reason, paths in by_reason.items():
+        for path in paths[:SKIPPED_SHOWN]:
+            log.warning("not packed: %s: %s", path, reason)
+        if len(paths) > SKIPPED_SHOWN:
+            log.warning("not packed: %d more files: %s (every one in errors.jsonl)", len(paths) - SKIPPED_SHOWN, reason)
 
 
 def _work(

@@ -295,3 +295,30 @@ def test_at_a_thousand_classes_an_evaluation_row_keeps_its_scalars_and_the_confu
     assert [p.name for p in paths] == ["curves.png", "confusion.png"]
     height, width, _ = matplotlib.image.imread(paths[1]).shape
     assert height <= 1100 and width <= 1100  # sized by the class count it was 60100 px square
+
+
+# -- sizes past the suite's -----------------------------------------------------------------
+
+
+def test_secagg_masks_each_client_with_log_n_neighbours_in_a_large_federation() -> None:
+    """Flower's workflow takes the bounded neighbourhood; small federations keep every client a neighbour."""
+    from clipforge.ps.federated import FederatedPlan, _secagg_workflow, secagg_shares
+
+    assert [secagg_shares(n) for n in (2, 4, 10)] == [1.0, 1.0, 1.0]
+    assert [secagg_shares(n) for n in (16, 50, 1000)] == [9, 13, 21]
+    plan = FederatedPlan("run", "store", "videovit-tiny", {}, 1, 2, 1000, 0.05, 1, 0.01, 8, secagg=True)
+    workflow = _secagg_workflow(plan, 50)
+    assert workflow.num_shares == 13 and workflow.reconstruction_threshold == 1.0
+
+
+def test_packing_names_a_few_skipped_files_per_reason_and_counts_the_rest(caplog) -> None:
+    from clipforge.preprocess.pack import SKIPPED_SHOWN, _log_skipped
+
+    skipped = [(f"a/{i}.jpg", "extension .jpg is not a video extension") for i in range(100_000)]
+    skipped += [("b/notes.txt", "extension .txt is not a video extension")]
+    with caplog.at_level("WARNING", logger="clipforge.preprocess.pack"):
+        _log_skipped(skipped)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == SKIPPED_SHOWN + 2, lines
+    assert f"not packed: {100_000 - SKIPPED_SHOWN} more files: extension .jpg" in lines[SKIPPED_SHOWN]
+    assert lines[-1] == "not packed: b/notes.txt: extension .txt is not a video extension"
