@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from clipforge.preprocess.reader import ClipDataset
 
@@ -26,57 +25,104 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def topk(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
+def hits(scores: np.ndarray, labels: np.ndarray, k: int) -> int:
+    """How many rows have their label among their ``k`` best scores (a partial sort, not a full one per row)."""
     if len(labels) == 0:
-        return 0.0
-    k = min(k, scores.shape[1])
-    best = np.argsort(-scores, axis=1)[:, :k]
-    return float((best == labels[:, None]).any(axis=1).mean())
+        return 0
+    if k >= scores.shape[1]:
+        return len(labels)
+    if k == 1:
+        return int((scores.argmax(axis=1) == labels).sum())
+    best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    return int((best == labels[:, None]).any(axis=1).sum())
+
+
+SUMS = ("clips", "clip_top1", "clip_top5", "loss", "videos", "video_top1", "video_top5")
+
+
+@dataclasses.dataclass
+class Tally:
+    """Sums over clips and whole videos that add across ranks: hits, the loss and the confusion matrix.
+
+    Ranks score whole videos each and all-reduce these (8 MB at 1000 classes), never their logits: gathering
+    every clip's logits onto every rank takes 4 GB a rank at 1M clips of 1000 classes.
+    """
+
+    classes: int
+    sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(SUMS)))
+    confusion: np.ndarray = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.confusion is None:
+            self.confusion = np.zeros((self.classes, self.classes), np.int64)
+
+    def add_clips(self, logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Clip-level hits and loss (cross-entropy, summed here) of ``logits``; returns their softmax rows."""
+        z = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+        log_probs = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        probs = np.exp(log_probs)
+        picked = log_probs[np.arange(len(labels)), labels]
+        self.sums[0:4] += [len(labels), hits(probs, labels, 1), hits(probs, labels, 5), float(-picked.sum())]
+        return probs
+
+    def add_videos(self, video_probs: np.ndarray, video_labels: np.ndarray) -> None:
+        """Video-level hits and the confusion matrix, from each video's mean softmax."""
+        predicted = video_probs.argmax(axis=1) if len(video_labels) else np.zeros(0, np.int64)
+        np.add.at(self.confusion, (video_labels, predicted), 1)
+        self.sums[4:7] += [len(video_labels), hits(video_probs, video_labels, 1), hits(video_probs, video_labels, 5)]
+
+    def add_logits(self, logits: np.ndarray, labels: np.ndarray, video_ids: np.ndarray) -> None:
+        """Clips whose videos are all here (no clip of them elsewhere), scored at both levels."""
+        probs = self.add_clips(logits, labels)
+        # One pass over the clips, not one per video, which grew with clips x videos: 1.9 s at 64k clips of 16k.
+        videos, first, of_video = np.unique(video_ids, return_index=True, return_inverse=True)
+        video_probs = np.zeros((len(videos), probs.shape[1]))
+        np.add.at(video_probs, of_video.reshape(-1), probs)
+        video_probs /= np.bincount(of_video.reshape(-1), minlength=len(videos))[:, None].clip(min=1)
+        self.add_videos(video_probs, labels[first].astype(np.int64))
+
+    def merge(self, other: Tally) -> None:
+        self.sums += other.sums
+        self.confusion += other.confusion
+
+    def all_reduce(self) -> None:
+        """Every rank's sums added on every rank, in one collective."""
+        from clipforge.hpc.distenv import collective_device
+
+        flat = np.concatenate([self.sums, self.confusion.reshape(-1)])
+        total = torch.from_numpy(flat).to(collective_device())
+        torch.distributed.all_reduce(total)
+        flat = total.cpu().numpy()
+        self.sums = flat[: len(SUMS)].copy()
+        self.confusion = np.rint(flat[len(SUMS) :]).astype(np.int64).reshape(self.classes, self.classes)
+
+    def metrics(self, classes: list[str]) -> dict[str, Any]:
+        """Clip and video top-1/top-5, the mean clip loss, per-class accuracy (video level), the confusion."""
+        sums = dict(zip(SUMS, self.sums.tolist(), strict=True))
+        clips, videos = max(sums["clips"], 1.0), max(sums["videos"], 1.0)
+        rows = self.confusion.sum(axis=1)
+        return {
+            "clips": int(sums["clips"]),
+            "clip_top1": sums["clip_top1"] / clips,
+            "clip_top5": sums["clip_top5"] / clips,
+            "videos": int(sums["videos"]),
+            "video_top1": sums["video_top1"] / videos,
+            "video_top5": sums["video_top5"] / videos,
+            "per_class_accuracy": {
+                c: float(self.confusion[i, i] / rows[i]) if rows[i] else None for i, c in enumerate(classes)
+            },
+            "confusion": self.confusion.tolist(),
+            "loss": sums["loss"] / clips,
+        }
 
 
 def evaluate_logits(
     logits: np.ndarray, labels: np.ndarray, video_ids: np.ndarray, classes: list[str]
 ) -> dict[str, Any]:
-    """Clip and video top-1/top-5, per-class accuracy (video level) and the confusion matrix."""
-    probs = softmax(logits.astype(np.float64))
-    # One pass over the clips, not one per video, which grew with clips x videos: 1.9 s at 64k clips of 16k videos.
-    videos, first, of_video = np.unique(video_ids, return_index=True, return_inverse=True)
-    video_probs = np.zeros((len(videos), probs.shape[1]))
-    np.add.at(video_probs, of_video.reshape(-1), probs)
-    video_probs /= np.bincount(of_video.reshape(-1), minlength=len(videos))[:, None].clip(min=1)
-    video_labels = labels[first].astype(np.int64)
-    return {
-        "clips": int(len(labels)),
-        "clip_top1": topk(probs, labels, 1),
-        "clip_top5": topk(probs, labels, 5),
-        **video_metrics(video_probs, video_labels, classes),
-    }
-
-
-def video_metrics(video_probs: np.ndarray, video_labels: np.ndarray, classes: list[str]) -> dict[str, Any]:
-    """Video top-1/top-5, per-class accuracy and the confusion matrix, from each video's averaged softmax."""
-    predicted = video_probs.argmax(axis=1) if len(video_labels) else np.zeros(0, np.int64)
-    confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
-    np.add.at(confusion, (video_labels, predicted), 1)
-    per_class = {
-        c: float(confusion[i, i] / confusion[i].sum()) if confusion[i].sum() else None for i, c in enumerate(classes)
-    }
-    return {
-        "videos": int(len(video_labels)),
-        "video_top1": topk(video_probs, video_labels, 1),
-        "video_top5": topk(video_probs, video_labels, 5),
-        "per_class_accuracy": per_class,
-        "confusion": confusion.tolist(),
-    }
-
-
-def split_metrics(logits: np.ndarray, labels: np.ndarray, dataset: ClipDataset, order: np.ndarray) -> dict[str, Any]:
-    """Everything a run reports of a split: accuracy at both levels, the loss, the split's name."""
-    metrics = evaluate_logits(logits, labels, dataset.video_ids[order], dataset.classes)
-    loss = F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels)) if len(labels) else torch.tensor(0.0)
-    metrics["loss"] = float(loss.item())
-    metrics["split"] = dataset.split
-    return metrics
+    """Clip and video top-1/top-5, per-class accuracy (video level), the confusion matrix and the mean loss."""
+    tally = Tally(len(classes))
+    tally.add_logits(logits, labels, video_ids)
+    return tally.metrics(classes)
 
 
 @torch.no_grad()
@@ -109,7 +155,7 @@ def score(
         logits.append(forward(clips.contiguous()).float())
         labels.append(targets)
     if not logits:
-        return np.zeros((0, len(dataset.classes))), np.zeros(0, np.int64)
+        return np.zeros((0, len(dataset.classes)), np.float32), np.zeros(0, np.int64)
     return torch.cat(logits).cpu().numpy(), torch.cat(labels).numpy().astype(np.int64)
 
 
@@ -119,7 +165,13 @@ def evaluate_model(model: torch.nn.Module, dataset: ClipDataset, batch: int, cro
     model.eval()
     order = np.arange(len(dataset))
     logits, labels = score(model, dataset, order, batch, crop)
-    return split_metrics(logits, labels, dataset, order)
+    return {**evaluate_logits(logits, labels, dataset.video_ids[order], dataset.classes), "split": dataset.split}
+
+
+def videos_of_rank(video_ids: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """The clip positions of every world-size-th video (whole videos, so each rank averages its own)."""
+    _, dense = np.unique(video_ids, return_inverse=True)
+    return np.flatnonzero(dense.reshape(-1) % world_size == rank)
 
 
 @torch.no_grad()
@@ -133,68 +185,39 @@ def evaluate_on_ranks(
     device: torch.device | str = "cpu",
     workers: int = 0,
 ) -> dict[str, Any]:
-    """Accuracy on a split, every rank scoring its share of the clips; every rank gets the metrics."""
-    mine = np.arange(rank, len(dataset), world_size)
+    """Accuracy on a split, every rank scoring its share of the videos; every rank gets the metrics."""
+    mine = videos_of_rank(dataset.video_ids, rank, world_size)
     logits, labels = score(forward, dataset, mine, batch, crop, device, workers)
-    gathered: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(gathered, (logits, labels, mine))
-    all_logits, all_labels, order = (np.concatenate([g[k] for g in gathered]) for k in range(3))
-    return split_metrics(all_logits, all_labels, dataset, order)
+    tally = Tally(len(dataset.classes))
+    tally.add_logits(logits, labels, dataset.video_ids[mine])
+    if world_size > 1:
+        tally.all_reduce()
+    return {**tally.metrics(dataset.classes), "split": dataset.split}
 
 
 @dataclasses.dataclass
 class VideoScores:
-    """What one rank found over its videos, small enough to gather: a softmax row per video, counts per view."""
+    """What one rank found over its videos, small enough to gather: sums and a confusion matrix, not a row a video."""
 
-    videos: list[int] = dataclasses.field(default_factory=list)
-    labels: list[int] = dataclasses.field(default_factory=list)
-    probs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    """The mean softmax of each video's views."""
-    views: int = 0
-    view_top1: int = 0
-    view_top5: int = 0
-    view_loss: float = 0.0
+    tally: Tally
     failures: list[str] = dataclasses.field(default_factory=list)
     """One line per video that could not be decoded."""
 
-    def add(self, video: int, label: int, logits: np.ndarray) -> None:
-        probs = softmax(logits.astype(np.float64))
-        labels = np.full(len(probs), label)
-        self.videos.append(video)
-        self.labels.append(label)
-        self.probs.append(probs.mean(axis=0))
-        self.views += len(probs)
-        self.view_top1 += round(topk(probs, labels, 1) * len(probs))
-        self.view_top5 += round(topk(probs, labels, 5) * len(probs))
-        self.view_loss += float(-np.log(np.maximum(probs[:, label], 1e-12)).sum())
+    def add(self, label: int, logits: np.ndarray) -> None:
+        probs = self.tally.add_clips(logits, np.full(len(logits), label))
+        self.tally.add_videos(probs.mean(axis=0, keepdims=True), np.array([label]))
 
     @classmethod
-    def merged(cls, parts: Iterable[VideoScores]) -> VideoScores:
-        out = cls()
+    def merged(cls, parts: Iterable[VideoScores], classes: int) -> VideoScores:
+        out = cls(Tally(classes))
         for p in parts:
-            out.videos += p.videos
-            out.labels += p.labels
-            out.probs += p.probs
+            out.tally.merge(p.tally)
             out.failures += p.failures
-            out.views += p.views
-            out.view_top1 += p.view_top1
-            out.view_top5 += p.view_top5
-            out.view_loss += p.view_loss
         return out
 
     def metrics(self, classes: list[str]) -> dict[str, Any]:
         """The figures of :func:`evaluate_logits`, a view counting as a clip."""
-        order = np.argsort(self.videos, kind="stable")
-        probs = np.stack(self.probs)[order] if self.probs else np.zeros((0, len(classes)))
-        n = max(self.views, 1)
-        return {
-            "clips": self.views,
-            "clip_top1": self.view_top1 / n,
-            "clip_top5": self.view_top5 / n,
-            "loss": self.view_loss / n,
-            **video_metrics(probs, np.array(self.labels, np.int64)[order], classes),
-            "failed_videos": len(self.failures),
-        }
+        return {**self.tally.metrics(classes), "failed_videos": len(self.failures)}
 
 
 def inference(model: torch.nn.Module, device: torch.device, precision: str = "auto") -> Callable:
@@ -240,7 +263,7 @@ def evaluate_videos_on_ranks(
 ) -> dict[str, Any] | None:
     """Multi-view accuracy of the per-video dataset ``videos``, ranks taking every world-size-th video.
 
-    Each rank sends its :class:`VideoScores` (a row per video, not a row per view) to rank 0,
+    Each rank sends its :class:`VideoScores` (sums and a confusion matrix) to rank 0,
     which returns the metrics; the other ranks return None. Works with or without a process group.
     """
     dist = torch.distributed
@@ -249,12 +272,12 @@ def evaluate_videos_on_ranks(
     loader = torch.utils.data.DataLoader(
         mine, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda", collate_fn=one_video
     )
-    scores = VideoScores()
+    scores = VideoScores(Tally(len(classes)))
     for item in loader:
         if item["error"] is not None:
             scores.failures.append(item["error"])
         else:
-            scores.add(item["video"], item["label"], view_logits(forward, item["clips"], crop, views, batch, device))
+            scores.add(item["label"], view_logits(forward, item["clips"], crop, views, batch, device))
         if progress is not None:
             progress(1)
     parts: list[Any] = [scores]
@@ -263,7 +286,7 @@ def evaluate_videos_on_ranks(
         dist.gather_object(scores, parts, dst=0)
     if rank != 0:
         return None
-    merged = VideoScores.merged(parts)
+    merged = VideoScores.merged(parts, len(classes))
     return {**merged.metrics(classes), "views": views.label, "failures": merged.failures}
 
 

@@ -322,3 +322,31 @@ def test_packing_names_a_few_skipped_files_per_reason_and_counts_the_rest(caplog
     assert len(lines) == SKIPPED_SHOWN + 2, lines
     assert f"not packed: {100_000 - SKIPPED_SHOWN} more files: extension .jpg" in lines[SKIPPED_SHOWN]
     assert lines[-1] == "not packed: b/notes.txt: extension .txt is not a video extension"
+
+
+def test_ranks_that_score_whole_videos_add_up_to_one_process_at_a_thousand_classes() -> None:
+    """Each rank keeps a tally of its own videos (hits, loss, confusion), never the split's logits."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from clipforge.models.evaluation import Tally, evaluate_logits, videos_of_rank
+
+    rng = np.random.default_rng(0)
+    clips, classes = 3000, [str(c) for c in range(1000)]
+    logits = (rng.normal(size=(clips, 1000)) * 3).astype(np.float32)
+    labels, videos = rng.integers(0, 1000, clips), rng.integers(0, 700, clips)
+    one = evaluate_logits(logits, labels, videos, classes)
+    assert one["loss"] == pytest.approx(F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels)).item())
+    total = Tally(1000)
+    shares = [videos_of_rank(videos, rank, 3) for rank in range(3)]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(clips))
+    for mine in shares:
+        assert not set(videos[mine]) & set(videos[np.setdiff1d(np.arange(clips), mine)])  # whole videos a rank
+        part = Tally(1000)
+        part.add_logits(logits[mine], labels[mine], videos[mine])
+        total.merge(part)
+    three = total.metrics(classes)
+    assert three["confusion"] == one["confusion"] and three["videos"] == one["videos"] == len(set(videos))
+    for key in ("clip_top1", "clip_top5", "video_top1", "video_top5", "loss"):
+        assert three[key] == pytest.approx(one[key], abs=1e-9), key
