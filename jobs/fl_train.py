@@ -109,6 +109,9 @@ class Config:
     """The federation's keys (clipforge fl certs); default: <run-dir>/certs, made when missing."""
     port: int = 0
     """The SuperLink's port (0: a free one)."""
+    eval_every: int = 1
+    """Rounds between the server's evaluations of the global model on the eval split (always after the last
+    round): the clients wait while it evaluates, so a large eval split wants a larger interval."""
     round_timeout_s: float = 600.0
     """How long a round waits for its clients' answers (under --secagg: each of its four exchanges): a client that
     has not answered by then (a lost node) is left out, and the round goes on if --min-clients answered."""
@@ -165,6 +168,8 @@ def check(cfg: Config) -> None:
         )
     if not 0 <= cfg.secagg_may_drop < 1:
         raise config.ConfigError(f"--secagg-may-drop {cfg.secagg_may_drop}: give a share in [0, 1)")
+    if cfg.eval_every < 1:
+        raise config.ConfigError(f"--eval-every {cfg.eval_every}: give a number of rounds, 1 or more")
     if not 0 < cfg.client_fraction <= 1:
         raise config.ConfigError(f"--client-fraction {cfg.client_fraction}: give a share in (0, 1]")
     unread = cfg.data.set_but_unread(DATA_READ)
@@ -234,6 +239,7 @@ def plan(cfg: Config, start: Path | None = None) -> FederatedPlan:
         lr=cfg.lr,
         batch=cfg.batch,
         eval_split=cfg.data.eval_split,
+        eval_every=cfg.eval_every,
         crop=cfg.data.crop,
         flip=cfg.data.flip,
         seed=cfg.seed,
@@ -330,10 +336,10 @@ def main(cfg: Config) -> dict | None:
             log.info("SuperLink at %s (TLS); %d client tasks join it", address, cfg.clients)
         plan_file = plan(cfg, start).write(work / "plan.json")
         run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
-        # Every round (each of SecAgg+'s four exchanges) may wait its timeout; the ServerApp's start and the
-        # evaluations take the allowance.
-        waits = cfg.rounds * (4 if cfg.secagg else 1)
-        run_id, status = superlink.run(run_config, waits * cfg.round_timeout_s + 600)
+        # A round (each of SecAgg+'s four exchanges) may wait its timeout; the ServerApp's start and an evaluation
+        # take the allowance, and the watchdog adds the longest round seen.
+        waits = 4 if cfg.secagg else 1
+        run_id, status = superlink.run(run_config, waits * cfg.round_timeout_s + 600, run.root / "metrics.jsonl")
     finally:
         if env.world_size > 1:
             _signal(work, "finished", env.job_id, env.restart_count, status)

@@ -57,6 +57,8 @@ class FederatedPlan:
     lr: float
     batch: int
     eval_split: str = "val"
+    eval_every: int = 1
+    """Rounds between evaluations of the global model on the eval split (and always after the last)."""
     crop: int | None = None
     flip: bool = False
     seed: int = 0
@@ -144,16 +146,23 @@ def serve(grid, context) -> None:
             return None  # the initial model: nothing trained yet
         finished = done + server_round
         state = {k: torch.from_numpy(np.array(a)) for k, a in zip(keys, arrays)}
-        model.load_state_dict(state)
-        metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
+        evaluated = finished % plan.eval_every == 0 or finished == plan.rounds
+        if evaluated:
+            model.load_state_dict(state)
+            metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
         run.save_round(finished, state, plan.keep_rounds)
-        row = {"kind": "round", "step": finished, "loss": metrics["loss"], "video_top1": metrics["video_top1"]}
+        row = {"kind": "round", "step": finished}
+        if evaluated:
+            row.update(loss=metrics["loss"], video_top1=metrics["video_top1"])
         if plan.dp_noise_multiplier > 0:
             row["epsilon"] = privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, finished, plan.dp_delta)
             row["delta"] = plan.dp_delta
         if "sample_epsilon" in reported:
             row.update(sample_epsilon=reported["sample_epsilon"], delta=plan.dp_delta)
         run.append_metrics({**row, "seconds": time.time() - started})
+        if not evaluated:
+            print(f"round {finished}/{plan.rounds}: saved (evaluated every {plan.eval_every} rounds)", flush=True)
+            return None
         print(
             f"round {finished}/{plan.rounds}: {plan.eval_split} loss {metrics['loss']:.4f}, "
             f"video top-1 {metrics['video_top1']:.3f}",

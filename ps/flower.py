@@ -135,26 +135,32 @@ class SuperLink(Process):
             raise FlowerError(f"{public_key} could not be registered with the SuperLink: {answer}")
         return int(answer["node-id"])
 
-    def run(self, config: dict[str, object], timeout_s: float) -> tuple[int, str]:
+    def run(self, config: dict[str, object], stall_s: float, progress: Path) -> tuple[int, str]:
         """Run the clipforge app with ``config`` (its run config) to the end; its run id and final status.
 
         One ``flwr log --stream`` follows the run into ``logs/run-<id>.log`` and ends when the run does: polling
         ``flwr ls`` instead starts a Python process each time, a core's worth of CPU taken from the clients.
+        The run is given up when ``progress`` (the run's metrics, a line a round) has not grown for ``stall_s``
+        plus the longest time a round has taken so far: a watchdog on progress, not a deadline for the whole
+        run, which 1000 rounds of a slow evaluation would pass while every round is on time.
         """
         override = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
         answer = self.cli("run", str(APP), "federation", "--format", "json", "--run-config", override)
         run_id = int(json.loads(answer)["run-id"])
-        deadline = time.monotonic() + timeout_s
         argv = [str(BIN / "flwr"), "log", str(run_id), "federation", "--stream"]
+        watch = Watchdog(progress, stall_s)
         with open(self.work / "logs" / f"run-{run_id}.log", "wb") as out:
             stream = subprocess.Popen(argv, env=environment(self.work / "cli-home"), stdout=out, stderr=out)
-            try:
-                stream.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            while stream.poll() is None and not watch.stalled():
+                try:
+                    stream.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            if stream.poll() is None:
                 stream.kill()
                 stream.wait()
         status = self.status(run_id)
-        while not status.startswith("finished") and time.monotonic() < deadline:  # the stream broke off early
+        while not status.startswith("finished") and not watch.stalled():  # the stream broke off early
             time.sleep(5.0)
             status = self.status(run_id)
         return run_id, status
@@ -170,6 +176,27 @@ class SuperLink(Process):
             f.seek(self.since)
             text = f.read().decode(errors="replace")
         return [line for line in text.splitlines() if "ApiError:200" in line]
+
+
+class Watchdog:
+    """Whether a file has stopped growing: for longer than ``stall_s`` plus the longest gap between its growths."""
+
+    def __init__(self, path: Path, stall_s: float) -> None:
+        self.path, self.stall_s = Path(path), stall_s
+        self.size, self.changed, self.longest = self._size(), time.monotonic(), 0.0
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def stalled(self) -> bool:
+        now, size = time.monotonic(), self._size()
+        if size != self.size:
+            self.longest = max(self.longest, now - self.changed)
+            self.size, self.changed = size, now
+        return now - self.changed > self.stall_s + self.longest
 
 
 class SuperNode(Process):

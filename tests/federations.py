@@ -85,7 +85,7 @@ def one_round(early: Early, store: Path, name: str) -> Path:
 def killed_after_round_one(early: Early, store: Path) -> Path:
     """A federation of 2 clients over 2 rounds, killed (server, SuperNodes and run at once) after round 1."""
     run = early.root / "killed"
-    process = early.process("killed", federation_argv(store, run, "--rounds", "2"))
+    process = early.process("killed", federation_argv(store, run, "--rounds", "2", "--eval-every", "2"))
     deadline = time.monotonic() + 1800
     while not (run / "rounds" / "round-00001.safetensors").exists():
         assert process.poll() is None and time.monotonic() < deadline, "the federation ended before round 1"

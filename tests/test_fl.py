@@ -43,11 +43,13 @@ def non_iid(early) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def resumed(slurm, tiny_store: Path, early) -> tuple[Path, list]:
     """A federation of 2 clients over 2 rounds in one local task, killed after its first round (while the rest of
-    the suite ran), then started again as a Slurm job of 3 tasks: the server's and one per client."""
+    the suite ran), then started again as a Slurm job of 3 tasks: the server's and one per client; both evaluate
+    every second round."""
     from clipforge.hpc.launch import run_script
 
     run = early.result("killed")
     where = ["--data.store", str(tiny_store), "--run-dir", str(run), "--clients", "2", "--rounds", "2", *TINY]
+    where += ["--eval-every", "2"]
     return run, run_script("clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3",
                                                         *where])  # fmt: skip
 
@@ -60,7 +62,9 @@ def test_a_federation_killed_after_a_round_resumes_there_as_a_slurm_job_of_a_tas
     logs = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
     assert "resuming the federation after round 1 of 2" in logs, logs[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "round"] == [1, 2]  # round 1 once: its rerun did not happen
+    rounds = [r for r in rows if r["kind"] == "round"]
+    assert [r["step"] for r in rounds] == [1, 2]  # round 1 once: its rerun did not happen
+    assert "video_top1" not in rounds[0] and "video_top1" in rounds[1]  # --eval-every 2: the last round evaluated
     assert sorted(p.name for p in (run / "rounds").iterdir()) == ["round-00001.safetensors", "round-00002.safetensors"]
     # The final weights are the last round's global model, and load strictly into the plain model.
     model = create_model("videovit-tiny", 6, 8, 32, depth=2, tubelet=(2, 8, 8))

@@ -350,3 +350,21 @@ def test_ranks_that_score_whole_videos_add_up_to_one_process_at_a_thousand_class
     assert three["confusion"] == one["confusion"] and three["videos"] == one["videos"] == len(set(videos))
     for key in ("clip_top1", "clip_top5", "video_top1", "video_top5", "loss"):
         assert three[key] == pytest.approx(one[key], abs=1e-9), key
+
+
+def test_the_federation_watchdog_waits_while_its_file_grows_and_learns_the_longest_gap(tmp_path: Path) -> None:
+    import time
+
+    from clipforge.ps.flower import Watchdog
+
+    rows = tmp_path / "metrics.jsonl"
+    watch = Watchdog(rows, stall_s=0.3)
+    for _ in range(4):  # four rounds of 0.2 s: never stalled, though the run is longer than the allowance
+        time.sleep(0.2)
+        rows.open("a").write("{}\n")
+        assert not watch.stalled()
+    assert watch.longest >= 0.2
+    time.sleep(0.3)
+    assert not watch.stalled()  # within the allowance plus the longest round
+    time.sleep(0.35)
+    assert watch.stalled()
