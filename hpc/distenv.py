@@ -317,3 +317,27 @@ def init_process_group(env: DistEnv, device, single: bool = False, timeout_s: fl
             "set MASTER_PORT to a free port (a local job picks a free one when MASTER_PORT is unset)"
         ) from None
     return True
+
+
+_waits: dict[str, int] = {}
+
+
+def wait_for_ranks(name: str, poll_s: float = 1.0) -> None:
+    """A barrier with no timeout, for ranks that wait on one another's uneven work (rank 0 writing the run's
+    final files, the last rank's share of a million videos): each rank counts itself in at the group's
+    rendezvous store and polls it. A collective barrier would fail them after the group's timeout (600 s),
+    which one rank's extra work may pass on a large job; the job's own time limit bounds this one.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store torch's own barrier-free waits use
+    _waits[name] = _waits.get(name, 0) + 1  # every rank waits in the same order: the n-th wait of a name has one key
+    key = f"clipforge/wait/{name}/{_waits[name]}"
+    arrived = store.add(key, 1)
+    while arrived < dist.get_world_size():
+        time.sleep(poll_s)
+        arrived = store.add(key, 0)

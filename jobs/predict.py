@@ -44,7 +44,7 @@ import torch
 import tyro
 
 from clipforge.base.logs import Progress, setup_logging
-from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
+from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device, wait_for_ranks
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
@@ -167,8 +167,9 @@ def main(cfg: Config) -> list[dict] | None:
     log.info("%d videos classified on this rank", len(mine))
     if output is not None:
         output.close()
-        if grouped:
-            torch.distributed.barrier()
+    if grouped:  # ranks end their shares apart by more than a collective's timeout on a large manifest
+        wait_for_ranks("predicted")
+    if output is not None:
         if env.is_main:
             added = output.merge()
             log.info("%d videos predicted now, %d lines in %s", added, len(output.done()), cfg.out)

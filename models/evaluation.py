@@ -160,11 +160,18 @@ def score(
 
 
 @torch.no_grad()
-def evaluate_model(model: torch.nn.Module, dataset: ClipDataset, batch: int, crop: int | None) -> dict[str, Any]:
-    """Accuracy of a plain (non-distributed) model on a split, in one process."""
-    model.eval()
+def evaluate_model(
+    model: torch.nn.Module,
+    dataset: ClipDataset,
+    batch: int,
+    crop: int | None,
+    device: torch.device | str = "cpu",
+    workers: int = 0,
+) -> dict[str, Any]:
+    """Accuracy of a plain (non-distributed) model on a split, in one process, on ``device``."""
+    model.to(device).eval()
     order = np.arange(len(dataset))
-    logits, labels = score(model, dataset, order, batch, crop)
+    logits, labels = score(model, dataset, order, batch, crop, device, workers)
     return {**evaluate_logits(logits, labels, dataset.video_ids[order], dataset.classes), "split": dataset.split}
 
 
@@ -282,6 +289,9 @@ def evaluate_videos_on_ranks(
             progress(1)
     parts: list[Any] = [scores]
     if world > 1:
+        from clipforge.hpc.distenv import wait_for_ranks
+
+        wait_for_ranks("evaluated")  # the ranks' shares of videos end apart by more than a collective's timeout
         parts = [None] * world if rank == 0 else None
         dist.gather_object(scores, parts, dst=0)
     if rank != 0:

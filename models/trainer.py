@@ -36,7 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from clipforge.hpc.collective import over_torch, rank_zero_decides
-from clipforge.hpc.distenv import DistEnv, collective_device, init_process_group, setup_distributed, task_device
+from clipforge.hpc.distenv import (
+    DistEnv,
+    collective_device,
+    init_process_group,
+    setup_distributed,
+    task_device,
+    wait_for_ranks,
+)
 from clipforge.hpc.lock import held_by_rank_zero
 from clipforge.hpc.requeue import Preemption
 from clipforge.preprocess.reader import ClipDataset
@@ -323,23 +330,24 @@ class Trainer:
         self.records.checkpoint(self.checkpointer.finished())
         self.records.progress.close()
         summary = {**self.throughput.summary(), "peak_memory_gib": peak_memory_gib(self.device)}
+        s = self.settings
+        if self.layout.evaluates_while_training:
+            metrics = self.evaluate()  # a collective: before rank 0 alone consolidates the weights
         tag = self.run_dir.checkpoints.tag(self.step)
         state = self.layout.final_state(self.engine, self.run_dir.checkpoints, tag, main)
-        pretraining = self.settings.objective == "mae"
+        pretraining = s.objective == "mae"
         if pretraining:
             state = encoder_state(state)  # the encoder alone, under the classifier's names
-        if self.layout.evaluates_while_training:
-            metrics = self.evaluate()
-        elif main:
-            model = self.arch.build(seed=self.settings.seed)
+        if not self.layout.evaluates_while_training and main:
+            model = self.arch.build(seed=s.seed)
             model.load_state_dict(state)
-            metrics = evaluate_model(model, self.eval_set, self.settings.batch_per_rank, self.settings.data.crop)
+            metrics = evaluate_model(model, self.eval_set, s.batch_per_rank, s.data.crop, self.device, s.data.workers)
+            model.cpu()
         result: dict[str, Any] = {"step": self.step, "throughput": summary}
         if main:
             self.records.summary(self.step, summary)
             self.records.evaluation(self.step, metrics)
             self.records.close()
-            s = self.settings
             record = RunRecord.of_run(
                 s.model.name, s.model.overrides(), self.store, s.data.crop, metrics, self.step, self.dist
             )
@@ -352,5 +360,6 @@ class Trainer:
             log.info(
                 "finished at step %d: %s %s %.4f; weights in %s", self.step, metrics["split"], figure, value, weights
             )
-        torch.distributed.barrier()
+        # Not a collective barrier: rank 0's consolidation and (for a pipeline) evaluation may pass its timeout.
+        wait_for_ranks("finished")
         return result

@@ -197,3 +197,42 @@ def test_with_four_visible_gpus_a_rank_takes_the_one_of_its_local_rank_and_makes
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     dist = dist_env(SLURM_STEP)  # local rank 1
     assert task_device(dist) == torch.device("cuda", 1) and current == [1]
+
+
+WAITS = """
+import datetime, sys, time
+import torch.distributed as dist
+from clipforge.hpc.distenv import wait_for_ranks
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+for i in range(2):
+    started = time.monotonic()
+    if dist.get_rank() == 0:
+        time.sleep(4)  # rank 0's own work, past the group's 2-second timeout
+    wait_for_ranks("finished", poll_s=0.1)
+    print(i, round(time.monotonic() - started, 1), flush=True)
+dist.barrier()
+"""
+
+
+def test_waiting_for_ranks_outlasts_the_groups_timeout_and_each_wait_is_its_own() -> None:
+    """Two real gloo ranks: rank 1 waits 4 s for rank 0, twice, where a barrier would fail after the 2-s timeout."""
+    import subprocess
+    import sys
+
+    from clipforge.hpc.distenv import free_port
+
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", WAITS],
+            env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    waited = [float(line.split()[1]) for line in outputs[1][0].splitlines()]
+    assert len(waited) == 2 and all(w >= 3.5 for w in waited), outputs  # the second wait did not pass at once
