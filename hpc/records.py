@@ -50,12 +50,16 @@ class JobRecord:
 def list_jobs(root: Path | None = None) -> list[JobRecord]:
     """Every job submitted through clipforge under ``root``, newest first, with its state."""
     root = Path(root or jobs_root())
-    records = []
-    for path in root.glob(f"*/{RECORD}"):
-        data = json.loads(path.read_text())
-        records.append(
-            JobRecord(str(data["job_id"]), data["name"], data["executor"], data["submitted_at"], path.parent)
-        )
+    records = _with_states([_read(path) for path in root.glob(f"*/{RECORD}")], root)
+    return sorted(records, key=lambda r: r.submitted_at, reverse=True)
+
+
+def _read(path: Path) -> JobRecord:
+    data = json.loads(path.read_text())
+    return JobRecord(str(data["job_id"]), data["name"], data["executor"], data["submitted_at"], path.parent)
+
+
+def _with_states(records: list[JobRecord], root: Path) -> list[JobRecord]:
     for record in records:
         record.state = _state_from_results(record) or record.state
     # Only jobs without a result ask the scheduler: sacct lags the end of a job by seconds.
@@ -66,7 +70,7 @@ def list_jobs(root: Path | None = None) -> list[JobRecord]:
             record.state = states[record.job_id]
         elif record.executor == "local" and record.state == "UNKNOWN":
             record.state = "RUNNING" if _pid_alive(record.job_id) else "FAILED"
-    return sorted(records, key=lambda r: r.submitted_at, reverse=True)
+    return records
 
 
 def failure(record: JobRecord) -> str | None:
@@ -77,9 +81,13 @@ def failure(record: JobRecord) -> str | None:
 
 
 def find_job(job_id: str, root: Path | None = None) -> JobRecord:
-    for record in list_jobs(root):
+    """One job's record and state: its own folder (named by its id), read alone, not every job's."""
+    base = Path(root or jobs_root())
+    own = base / job_id / RECORD
+    paths = [own] if own.is_file() else list(base.glob(f"*/{RECORD}"))
+    for record in (_read(path) for path in paths):
         if record.job_id == job_id:
-            return record
+            return _with_states([record], base)[0]
     raise UnknownJob(f"no job {job_id} under {root or jobs_root()}; `clipforge jobs list` shows the known ones")
 
 
@@ -148,13 +156,34 @@ def cancel(record: JobRecord) -> None:
                 pass
 
 
+_STATE = "clipforge-state.json"
+"""A job's outcome read from its result pickles, kept beside them with their sizes and times."""
+
+
 def _state_from_results(record: JobRecord) -> str | None:
-    """COMPLETED or FAILED from submitit's result pickles, when every task has written one."""
-    results = list(record.folder.glob("*_result.pkl"))
+    """COMPLETED or FAILED from submitit's result pickles, when every task has written one.
+
+    A result pickle holds the task's whole return value (a training's carries its confusion matrix, 2 MB at
+    1000 classes): each job's is read once, then its outcome is kept until the pickles change.
+    """
+    results = sorted(record.folder.glob("*_result.pkl"))
     if not results:
         return None
+    signature = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in results]
+    kept = record.folder / _STATE
+    try:
+        cached = json.loads(kept.read_text())
+        if cached["results"] == signature:
+            return str(cached["state"])
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
     outcomes = [pickle.loads(p.read_bytes())[0] for p in results]  # our own job's files
-    return "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
+    state = "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
+    try:
+        write_json(kept, {"state": state, "results": signature})
+    except OSError:
+        pass  # a folder we may read but not write (another user's): read the pickles again next time
+    return state
 
 
 def _pid_alive(job_id: str) -> bool:

@@ -105,3 +105,29 @@ def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> No
         time.sleep(0.5)
     unknown = subprocess.run([*cli, "status", "999999"], capture_output=True, text=True)
     assert unknown.returncode == 2 and "no job 999999" in unknown.stderr
+
+
+def test_a_jobs_outcome_is_read_from_its_result_pickles_once_and_one_job_is_found_in_its_own_folder(
+    tmp_path: Path,
+) -> None:
+    import pickle
+
+    for job_id, outcome in (("101", "success"), ("102", "error")):
+        folder = tmp_path / job_id
+        folder.mkdir()
+        record = {"job_id": job_id, "name": "train", "executor": "local", "submitted_at": float(job_id)}
+        (folder / "clipforge-job.json").write_text(json.dumps(record))
+        (folder / f"{job_id}_0_result.pkl").write_bytes(pickle.dumps((outcome, list(range(100_000)))))
+    assert [(r.job_id, r.state) for r in records.list_jobs(tmp_path)] == [("102", "FAILED"), ("101", "COMPLETED")]
+    # Kept beside the pickles: the same pickle (size and time) is not read again, even when it no longer loads.
+    pickled = tmp_path / "101" / "101_0_result.pkl"
+    stat = pickled.stat()
+    pickled.write_bytes(b"\0" * stat.st_size)
+    os.utime(pickled, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert records.find_job("101", tmp_path).state == "COMPLETED"
+    # A changed pickle is read again.
+    pickled.write_bytes(pickle.dumps(("error", None)))
+    assert records.find_job("101", tmp_path).state == "FAILED"
+    # A folder not named by its job id is still found, by its record.
+    (tmp_path / "102").rename(tmp_path / "renamed")
+    assert records.find_job("102", tmp_path).folder == tmp_path / "renamed"
