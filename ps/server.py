@@ -44,7 +44,8 @@ class ServerSettings:
     weight_decay: float = 0.0
     """Weight decay."""
     trainer_timeout_s: float = 30.0
-    """A trainer not heard from for this long is dropped from the staleness bound and from sync rounds."""
+    """A trainer not heard from for this long is dropped from the staleness bound and from sync rounds, until it
+    is heard from again."""
     checkpoint_every: int = 100
     """Checkpoint the shard every N applied updates."""
 
@@ -91,6 +92,8 @@ class ShardServer:
         self.version = 0
         self.clocks = {t: 0 for t in trainers}
         self.live = set(trainers)
+        self.left: set[str] = set()
+        """Trainers that finished: the only ones a late word does not bring back."""
         self.last_seen = {t: time.monotonic() for t in trainers}
         self.staleness: list[int] = []
         self.clock_gaps: list[int] = []
@@ -147,6 +150,7 @@ class ShardServer:
     def leave(self, trainer: str) -> None:
         """A trainer that finished: it no longer holds back the others."""
         with self.lock:
+            self.left.add(trainer)
             self._drop(trainer, "finished")
 
     # -- rules --------------------------------------------------------------------------
@@ -184,7 +188,15 @@ class ShardServer:
             f.set_result(self.version)
 
     def _seen(self, trainer: str) -> None:
-        self.last_seen[trainer] = time.monotonic()
+        """A trainer was heard from; one dropped as silent (a long probe, a slow push) is taken back."""
+        now = time.monotonic()
+        if trainer not in self.live and trainer not in self.left and not self.finished.is_set():
+            self.live.add(trainer)
+            log.warning(
+                "server %d: %s is back after %.0f s; taken back, %d trainer(s) live",
+                self.index, trainer, now - self.last_seen[trainer], len(self.live),
+            )  # fmt: skip
+        self.last_seen[trainer] = now
 
     def _drop(self, trainer: str, why: str) -> None:
         if trainer in self.live:

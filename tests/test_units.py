@@ -368,3 +368,27 @@ def test_the_federation_watchdog_waits_while_its_file_grows_and_learns_the_longe
     assert not watch.stalled()  # within the allowance plus the longest round
     time.sleep(0.35)
     assert watch.stalled()
+
+
+def test_a_parameter_server_takes_back_a_trainer_it_dropped_as_silent_but_not_one_that_finished() -> None:
+    import time
+
+    import torch
+
+    from clipforge.ps.server import ServerSettings, ShardServer
+
+    settings = ServerSettings(mode="ssp", trainer_timeout_s=0.2)
+    server = ShardServer(0, {"w": torch.zeros(3)}, ["trainer0", "trainer1"], settings, None)
+    try:
+        deadline = time.monotonic() + 10
+        while "trainer0" in server.live and time.monotonic() < deadline:
+            server.pull("trainer1")  # trainer 0 is silent (a long probe); trainer 1 is not
+            time.sleep(0.05)
+        assert server.live == {"trainer1"}
+        server.push("trainer0", {"w": torch.ones(3)}, 1, 0).wait()
+        assert server.live == {"trainer0", "trainer1"} and server.clocks["trainer0"] == 1
+        server.leave("trainer1")
+        server.pull("trainer1")  # a finished trainer's late word does not hold the others back again
+        assert server.live == {"trainer0"}
+    finally:
+        server.finished.set()
