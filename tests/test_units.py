@@ -392,3 +392,12 @@ def test_a_parameter_server_takes_back_a_trainer_it_dropped_as_silent_but_not_on
         assert server.live == {"trainer0"}
     finally:
         server.finished.set()
+
+
+def test_the_rounds_a_privacy_budget_allows_are_found_by_bisection_as_a_scan_finds_them(caplog) -> None:
+    from clipforge.ps import privacy
+
+    scan = max((r for r in range(13) if privacy.epsilon(1.1, 0.5, r, 1e-5) <= 8.0), default=0)
+    assert 0 < scan < 12 and privacy.rounds_within(8.0, 1.1, 0.5, 12, 1e-5) == scan
+    assert privacy.rounds_within(1e6, 1.1, 0.5, 12, 1e-5) == 12 and privacy.rounds_within(1e-3, 1.1, 0.5, 12, 1e-5) == 0
+    assert "failed to converge" not in caplog.text  # the accountant's five lines a call, left out of the log
