@@ -2,7 +2,7 @@
 """Benchmark of masked-autoencoder pretraining: its speed beside fine-tuning, and what it buys with few labels.
 
     python jobs/bench/pretrain.py [--repeats 3] [--fine-tune-seeds 3] [--pretrain-steps 300] [--fine-tune-steps 120]
-                                  [--label-share 0.1] [--no-norm-pixels]
+                                  [--label-share 0.1] [--no-norm-pixels] [--masking random] [--textured]
 
 Makes a motion corpus of six classes and packs it twice from one split: every
 training video (the unlabelled pool pretraining reads, labels ignored) and a
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import tyro
@@ -59,6 +60,8 @@ class Config:
     """Videos of each of the six motion classes."""
     textured: bool = False
     """A corpus of textured videos: a background of still waves and a checkered or striped shape, not flat colours."""
+    masking: Literal["tube", "random"] = "tube"
+    """Pretraining's masking (--mae.masking): the same spatial patches at every time, or tokens drawn alike."""
     norm_pixels: bool = True
     """Pretraining's loss on each tubelet's pixels normalised by its own mean and deviation (VideoMAE's);
     ``--no-norm-pixels``: on the pixels as they are."""
@@ -122,7 +125,7 @@ def main(cfg: Config) -> None:
         pretrained, tuned, scratch = {}, {}, {}
         for p in range(cfg.repeats):
             mae = work / f"mae-{p}"
-            objective = ["--objective", "mae", "--optim.lr", "1.5e-3", pixels]
+            objective = ["--objective", "mae", "--optim.lr", "1.5e-3", pixels, "--mae.masking", cfg.masking]
             pretrained[p] = train(pool, mae, cfg.pretrain_steps, p, *MODEL, *objective)
             print(f"  pretraining {p}: {pretrained[p]['clips_per_s']:.1f} clips/s", file=sys.stderr, flush=True)
             for f in range(cfg.fine_tune_seeds):
@@ -141,7 +144,8 @@ def main(cfg: Config) -> None:
     print(
         f"\nvideovit-tiny depth 4, 8x32x32 clips in 2x8x8 tubelets (64 tokens), batch 8, 1 process; "
         f"{cfg.repeats} pretrainings of {cfg.pretrain_steps} steps ({'normalised' if cfg.norm_pixels else 'raw'} "
-        f"pixels), each fine-tuned with {cfg.fine_tune_seeds} seeds; fine-tuning and from scratch alternating"
+        f"pixels, {cfg.masking} masking), each fine-tuned with {cfg.fine_tune_seeds} seeds; fine-tuning and from "
+        "scratch alternating"
         f"{'; textured videos' if cfg.textured else ''}\n"
     )
     print(f"{'run':<34} {'clips/s':>8} {'vs fine-tuning':>15} {'min-max':>11}")
