@@ -3,7 +3,9 @@
 ``train.py --objective mae`` trains :class:`MaskedAutoencoder` through the same
 loop, engine, checkpoints and requeue as classification; only the model and its
 loss differ. Tube masking hides the same ``mask_ratio`` of the spatial patches in
-every frame (90%: a tubelet cannot be copied from its neighbour in time); the
+every frame (90%: a tubelet cannot be copied from its neighbour in time); random
+masking (``--mae.masking random``, VideoMAE's ablation) hides that share of all the
+tokens, so a hidden tubelet is inferred from where its content was a moment before; the
 encoder sees only the visible tokens, which is where the speed comes from; a light
 decoder fills in the masked ones from a shared mask token and fixed position codes;
 the loss is the mean squared error on the masked tubelets' pixels, each normalised

@@ -138,3 +138,23 @@ def test_the_targets_are_each_tubelets_pixels_normalised_by_its_own_mean_and_dev
     per_channel = normalised.reshape(2, 8, 2 * 8 * 8, 3)
     assert per_channel.mean(dim=2).abs().max() < 1e-5
     assert (per_channel.std(dim=2) - 1).abs().max() < 1e-4
+
+
+def test_tube_masks_hide_the_same_patches_at_every_time_and_random_masks_a_share_of_all_the_tokens() -> None:
+    from clipforge.models.mae import random_mask, tube_mask
+
+    torch.manual_seed(0)
+    grid, cpu = (4, 4, 4), torch.device("cpu")  # 4 time steps of 4 x 4 patches: 64 tokens, 16 a time step
+
+    def visible_cells(visible: torch.Tensor) -> list[list[set[int]]]:
+        """Per clip, the spatial cells visible at each time step."""
+        return [[{i % 16 for i in row.tolist() if i // 16 == t} for t in range(4)] for row in visible]
+
+    for draw, keep in ((tube_mask, 8), (random_mask, 6)):  # tube: 2 of 16 cells x 4 times; random: 6 of 64
+        visible, masked = draw(32, grid, 0.9, cpu)
+        assert visible.shape == (32, keep) and masked.shape == (32, 64 - keep)
+        assert all(sorted(v + m) == list(range(64)) for v, m in zip(visible.tolist(), masked.tolist()))
+    tubes = visible_cells(tube_mask(32, grid, 0.9, cpu)[0])
+    assert all(len(clip[0]) == 2 and clip.count(clip[0]) == 4 for clip in tubes)
+    scattered = visible_cells(random_mask(32, grid, 0.9, cpu)[0])
+    assert sum(clip.count(clip[0]) < 4 for clip in scattered) > 16  # most clips see other cells at other times
