@@ -341,3 +341,6 @@ def wait_for_ranks(name: str, poll_s: float = 1.0) -> None:
     while arrived < dist.get_world_size():
         time.sleep(poll_s)
         arrived = store.add(key, 0)
+    # Every rank is here: a barrier now returns at once, and keeps rank 0 (the store's host) from leaving while
+    # another rank is still between two polls of it.
+    dist.barrier()

@@ -134,11 +134,13 @@ def score(
     crop: int | None,
     device: torch.device | str = "cpu",
     workers: int = 0,
+    batches: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Logits and labels of the clips at ``positions`` of ``dataset``, ``batch`` at a time, centre-cropped.
 
     Clips come through a DataLoader (``workers`` processes, pinned memory on a GPU); the logits stay on
-    the device until the last batch, so the device never waits for the host between batches.
+    the device until the last batch, so the device never waits for the host between batches. At least
+    ``batches`` forward passes run, the extra ones discarded (:func:`most_batches`).
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -150,13 +152,35 @@ def score(
         prefetch_factor=4 if workers else None,
     )
     logits, labels = [], []
+    clips = None
     for clips, targets in loader:
-        clips = center_crop(clips.to(device, non_blocking=cuda), crop)
-        logits.append(forward(clips.contiguous()).float())
+        clips = center_crop(clips.to(device, non_blocking=cuda), crop).contiguous()
+        logits.append(forward(clips).float())
         labels.append(targets)
+    for _ in range(batches - len(logits)):
+        forward(spare_batch(clips, dataset, crop, device))
     if not logits:
         return np.zeros((0, len(dataset.classes)), np.float32), np.zeros(0, np.int64)
     return torch.cat(logits).cpu().numpy(), torch.cat(labels).numpy().astype(np.int64)
+
+
+def spare_batch(clips: torch.Tensor | None, dataset, crop: int | None, device: torch.device) -> torch.Tensor:
+    """A batch for a forward pass whose output is discarded: the rank's last, or the split's first clip."""
+    if clips is not None:
+        return clips
+    return center_crop(dataset[0][0][None].to(device), crop).contiguous()
+
+
+def most_batches(count: int, world_size: int) -> int:
+    """The most batches any rank has to score: every rank runs as many forward passes, since under ZeRO-3 each
+    one gathers the weights from all ranks (a rank with a batch more would wait for the others forever)."""
+    if world_size == 1:
+        return count
+    from clipforge.hpc.distenv import collective_device
+
+    most = torch.tensor([count], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item())
 
 
 @torch.no_grad()
@@ -194,7 +218,8 @@ def evaluate_on_ranks(
 ) -> dict[str, Any]:
     """Accuracy on a split, every rank scoring its share of the videos; every rank gets the metrics."""
     mine = videos_of_rank(dataset.video_ids, rank, world_size)
-    logits, labels = score(forward, dataset, mine, batch, crop, device, workers)
+    batches = most_batches(-(-len(mine) // batch), world_size)  # whole videos: shares differ by a video's clips
+    logits, labels = score(forward, dataset, mine, batch, crop, device, workers, batches)
     tally = Tally(len(dataset.classes))
     tally.add_logits(logits, labels, dataset.video_ids[mine])
     if world_size > 1:

@@ -195,11 +195,18 @@ def reconstruction_on_ranks(
     loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(dataset, list(mine)), batch_size=batch, num_workers=workers, pin_memory=cuda
     )
+    from .evaluation import most_batches, spare_batch
+
+    batches = most_batches(-(-len(mine) // batch), world_size)  # as many forward passes on every rank (ZeRO-3)
     torch.manual_seed(seed)
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    clips, done = None, 0
     for clips, _ in loader:
         clips = center_crop(clips.to(device, non_blocking=cuda), crop).contiguous()
         total += torch.stack([forward(clips).double() * len(clips), torch.tensor(float(len(clips)), device=device)])
+        done += 1
+    for _ in range(batches - done):
+        forward(spare_batch(clips, dataset, crop, torch.device(device)))
     if world_size > 1:
         from clipforge.hpc.distenv import collective_device
 

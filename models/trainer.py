@@ -323,6 +323,20 @@ class Trainer:
         finally:
             self.engine.train()
 
+    def _evaluate_alone(self, model: torch.nn.Module) -> dict[str, Any]:
+        """A pipeline's final evaluation on rank 0: on its device, or on the CPU when the whole model does not fit
+        beside its stage there (a pipeline is for models too large for one device)."""
+        s = self.settings
+        try:
+            return evaluate_model(model, self.eval_set, s.batch_per_rank, s.data.crop, self.device, s.data.workers)
+        except torch.cuda.OutOfMemoryError:
+            model.cpu()
+            torch.cuda.empty_cache()
+            log.warning("the whole model does not fit on %s beside its stage: evaluating on the CPU", self.device)
+            return evaluate_model(model, self.eval_set, s.batch_per_rank, s.data.crop, "cpu", s.data.workers)
+        finally:
+            model.cpu()
+
     def finish(self) -> dict[str, Any]:
         """The last checkpoint, consolidated fp32 weights, the final evaluation, plots and the run's record."""
         main = self.dist.is_main
@@ -341,8 +355,7 @@ class Trainer:
         if not self.layout.evaluates_while_training and main:
             model = self.arch.build(seed=s.seed)
             model.load_state_dict(state)
-            metrics = evaluate_model(model, self.eval_set, s.batch_per_rank, s.data.crop, self.device, s.data.workers)
-            model.cpu()
+            metrics = self._evaluate_alone(model)
         result: dict[str, Any] = {"step": self.step, "throughput": summary}
         if main:
             self.records.summary(self.step, summary)

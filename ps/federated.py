@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
+import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
 
 from . import dpsgd, privacy
+from .fit_workflows import secagg_workflow, timed_fit_workflow
 from .transport import encode, half_transport
 from .worker import Augment, partition
 
@@ -105,6 +106,20 @@ class FederatedPlan:
         return cls(**json.loads(Path(path).read_text()))
 
 
+HEARTBEAT = Path("flower") / "heartbeat"
+"""A file in the run directory that the ServerApp touches every :data:`HEARTBEAT_S` while it lives."""
+HEARTBEAT_S = 10.0
+
+
+def heartbeat(path: Path, stop: threading.Event) -> None:
+    """Touch ``path`` until ``stop``: the job's watchdog (flower.Watchdog) tells a live ServerApp, however long
+    its rounds and evaluations take, from one that died or hung."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while not stop.is_set():
+        path.touch()
+        stop.wait(HEARTBEAT_S)
+
+
 def serve(grid, context) -> None:
     """The ServerApp's main: FedAvg over the SuperNodes for the plan's rounds, resuming after the last saved one."""
     from flwr.common import ndarrays_to_parameters
@@ -132,6 +147,10 @@ def serve(grid, context) -> None:
     eval_set = ClipDataset(store, plan.eval_split)
     started = time.time()
     reported: dict[str, float] = {}
+    evaluated: dict[int, dict[str, Any]] = {}
+    """The global model's metrics by round, so the last round's evaluation is not run again for the record."""
+    stop_beating = threading.Event()
+    threading.Thread(target=heartbeat, args=(Path(plan.run_dir) / HEARTBEAT, stop_beating), daemon=True).start()
 
     def clients_epsilon(results: list[tuple[int, dict]]) -> dict:
         """DP-SGD: the largest sample-level epsilon the round's clients report (each one's own, over its clips)."""
@@ -146,13 +165,13 @@ def serve(grid, context) -> None:
             return None  # the initial model: nothing trained yet
         finished = done + server_round
         state = {k: torch.from_numpy(np.array(a)) for k, a in zip(keys, arrays)}
-        evaluated = finished % plan.eval_every == 0 or finished == plan.rounds
-        if evaluated:
+        due = finished % plan.eval_every == 0 or finished == plan.rounds
+        if due:
             model.load_state_dict(state)
-            metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
+            metrics = evaluated[finished] = evaluate_model(model, eval_set, plan.batch, plan.crop)
         run.save_round(finished, state, plan.keep_rounds)
         row = {"kind": "round", "step": finished}
-        if evaluated:
+        if due:
             row.update(loss=metrics["loss"], video_top1=metrics["video_top1"])
         if plan.dp_noise_multiplier > 0:
             row["epsilon"] = privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, finished, plan.dp_delta)
@@ -160,7 +179,7 @@ def serve(grid, context) -> None:
         if "sample_epsilon" in reported:
             row.update(sample_epsilon=reported["sample_epsilon"], delta=plan.dp_delta)
         run.append_metrics({**row, "seconds": time.time() - started})
-        if not evaluated:
+        if not due:
             print(f"round {finished}/{plan.rounds}: saved (evaluated every {plan.eval_every} rounds)", flush=True)
             return None
         print(
@@ -196,17 +215,24 @@ def serve(grid, context) -> None:
             )
         rounds_left = ServerConfig(num_rounds=plan.rounds - done, round_timeout=plan.round_timeout_s)
         legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
-        fit = _secagg_workflow(plan, sampled) if plan.secagg else _timed_fit_workflow(plan.round_timeout_s)
+        if plan.secagg:
+            fit = secagg_workflow(
+                sampled, plan.secagg_may_drop, plan.secagg_clipping_range, plan.secagg_quantization_range,
+                plan.secagg_max_weight, plan.round_timeout_s,
+            )  # fmt: skip
+        else:
+            fit = timed_fit_workflow(plan.round_timeout_s)
         DefaultWorkflow(fit_workflow=fit)(grid, legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
-    metrics = evaluate_model(model, eval_set, plan.batch, plan.crop)
+    metrics = evaluated.get(rounds) or evaluate_model(model, eval_set, plan.batch, plan.crop)
     record = RunRecord.of_run(plan.model, plan.overrides, store, plan.crop, metrics, rounds, dist_env())
     spent = [row["sample_epsilon"] for row in run.metrics("round") if "sample_epsilon" in row]
     record.federated = summary(plan, rounds, spent[-1] if spent else None)
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
+    stop_beating.set()
 
 
 def round_config(plan: FederatedPlan, store: ClipStore, round_index: int) -> dict[str, Any]:
@@ -266,80 +292,6 @@ def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = Non
             "accountant": "RDP (Opacus), Poisson-sampled batches; the largest client's, as if it took every round",
         }
     return out
-
-
-def _timed_fit_workflow(timeout_s: float):
-    """Flower's default fit workflow with the round's timeout.
-
-    Flower's own sends the round without one (``ServerConfig.round_timeout`` reaches only its legacy server),
-    so a round would wait for a lost client until the SuperLink declares it gone, two missed 30-second
-    heartbeats later. Here its exchange stops at ``timeout_s`` and the round goes on with the answers it has.
-    """
-    from flwr.server.workflow.default_workflows import default_fit_workflow
-
-    class TimedGrid:
-        def __init__(self, grid) -> None:
-            self.grid = grid
-
-        def __getattr__(self, name: str):
-            return getattr(self.grid, name)
-
-        def send_and_receive(self, messages, *, timeout: float | None = None):
-            return self.grid.send_and_receive(messages, timeout=timeout_s if timeout is None else timeout)
-
-    return lambda grid, context: default_fit_workflow(TimedGrid(grid), context)
-
-
-def secagg_shares(sampled: int) -> int | float:
-    """How many of a round's clients hold a share of each client's key and mask its update pairwise with it:
-    all of them (Flower's 1.0) while they are at most 2 log2 n + 2, else 2 log2 n + 1, SecAgg+'s bounded
-    neighbourhood (Bell et al., 2020): 9 at 16 clients, 13 at 50, 21 at 1000.
-
-    With every client the neighbour of every other, each client draws one model-sized pairwise mask per other
-    client, and the server one per dropped client's neighbour: Flower's mask generator takes 17 ns a weight
-    here (measured), 1.5 s a mask for 86M weights, so about 70 s a client and round at 50 clients.
-    """
-    bound = 2 * math.ceil(math.log2(max(sampled, 2))) + 1  # odd, as the protocol wants
-    return 1.0 if sampled <= bound + 1 else bound
-
-
-def _secagg_workflow(plan: FederatedPlan, sampled: int):
-    """Flower's SecAgg+ fit workflow: each sampled client shares its masks with its neighbours (secagg_shares).
-
-    Each of its four exchanges waits at most the round's timeout: a client that has not answered by then (a
-    lost node, noticed by the SuperLink only after two missed 30-second heartbeats) is dropped, and the round
-    goes on while enough of the clients' key shares remain to unmask the sum. A client lost after it shared
-    its keys (while it trains) is what the protocol tolerates; Flower halts a round that lost one before.
-
-    Flower's workflow only logs that it halted, and its round would then be evaluated and counted with the
-    previous global model; here a halted round stops the run instead, so the run directory keeps its last
-    real round and a restart resumes from it.
-    """
-    from flwr.server.workflow import SecAggPlusWorkflow
-
-    class Workflow(SecAggPlusWorkflow):
-        def __call__(self, grid, context) -> None:
-            self.unmasked = False
-            super().__call__(grid, context)
-            if not self.unmasked:
-                raise RuntimeError(
-                    "secure aggregation halted: too few clients answered to unmask the sum of their updates "
-                    f"(more than --secagg-may-drop {plan.secagg_may_drop} of them dropped, or one dropped before "
-                    "sharing its keys); the run keeps its last completed round, and a restart resumes from it"
-                )
-
-        def unmask_stage(self, grid, context, state) -> bool:
-            self.unmasked = super().unmask_stage(grid, context, state)
-            return self.unmasked
-
-    return Workflow(
-        num_shares=secagg_shares(sampled),
-        reconstruction_threshold=max(1.0 - plan.secagg_may_drop, 0.01),  # a share of a client's neighbours
-        clipping_range=plan.secagg_clipping_range,
-        quantization_range=plan.secagg_quantization_range,
-        max_weight=plan.secagg_max_weight,
-        timeout=plan.round_timeout_s,
-    )
 
 
 class _Client:

@@ -135,20 +135,20 @@ class SuperLink(Process):
             raise FlowerError(f"{public_key} could not be registered with the SuperLink: {answer}")
         return int(answer["node-id"])
 
-    def run(self, config: dict[str, object], stall_s: float, progress: Path) -> tuple[int, str]:
+    def run(self, config: dict[str, object], stall_s: float, heartbeat: Path) -> tuple[int, str]:
         """Run the clipforge app with ``config`` (its run config) to the end; its run id and final status.
 
         One ``flwr log --stream`` follows the run into ``logs/run-<id>.log`` and ends when the run does: polling
         ``flwr ls`` instead starts a Python process each time, a core's worth of CPU taken from the clients.
-        The run is given up when ``progress`` (the run's metrics, a line a round) has not grown for ``stall_s``
-        plus the longest time a round has taken so far: a watchdog on progress, not a deadline for the whole
-        run, which 1000 rounds of a slow evaluation would pass while every round is on time.
+        The run is given up when its ServerApp's ``heartbeat`` has not been touched for ``stall_s``: a watchdog
+        on a live server, not a deadline for the whole run, which a thousand rounds with slow evaluations would
+        pass while every round is on time (each round is bounded by its own timeout).
         """
         override = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
         answer = self.cli("run", str(APP), "federation", "--format", "json", "--run-config", override)
         run_id = int(json.loads(answer)["run-id"])
         argv = [str(BIN / "flwr"), "log", str(run_id), "federation", "--stream"]
-        watch = Watchdog(progress, stall_s)
+        watch = Watchdog(heartbeat, stall_s)
         with open(self.work / "logs" / f"run-{run_id}.log", "wb") as out:
             stream = subprocess.Popen(argv, env=environment(self.work / "cli-home"), stdout=out, stderr=out)
             while stream.poll() is None and not watch.stalled():
@@ -179,24 +179,18 @@ class SuperLink(Process):
 
 
 class Watchdog:
-    """Whether a file has stopped growing: for longer than ``stall_s`` plus the longest gap between its growths."""
+    """Whether a heartbeat file (federated.HEARTBEAT) has gone untouched for longer than ``stall_s``: a beat
+    older than the watchdog (a previous start's) does not count."""
 
     def __init__(self, path: Path, stall_s: float) -> None:
-        self.path, self.stall_s = Path(path), stall_s
-        self.size, self.changed, self.longest = self._size(), time.monotonic(), 0.0
-
-    def _size(self) -> int:
-        try:
-            return self.path.stat().st_size
-        except FileNotFoundError:
-            return 0
+        self.path, self.stall_s, self.started = Path(path), stall_s, time.time()
 
     def stalled(self) -> bool:
-        now, size = time.monotonic(), self._size()
-        if size != self.size:
-            self.longest = max(self.longest, now - self.changed)
-            self.size, self.changed = size, now
-        return now - self.changed > self.stall_s + self.longest
+        try:
+            beat = self.path.stat().st_mtime
+        except FileNotFoundError:
+            beat = self.started
+        return time.time() - max(beat, self.started) > self.stall_s
 
 
 class SuperNode(Process):

@@ -60,13 +60,16 @@ class _Unconverged(logging.Filter):
         return "failed to converge" not in record.getMessage()
 
 
-logging.getLogger("absl").addFilter(_Unconverged())
+_QUIETED = _Unconverged()
 
 
 def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
     """Epsilon after ``rounds`` rounds at ``delta`` (infinite without noise)."""
     import dp_accounting
+    from absl import logging as absl_logging
     from dp_accounting.rdp import rdp_privacy_accountant
+
+    absl_logging.get_absl_logger().addFilter(_QUIETED)  # absl's own logger, once absl made it (a set: added once)
 
     if noise_multiplier <= 0:
         return float("inf")

@@ -15,7 +15,7 @@ import submitit
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
-from . import federations, helpers
+from . import federations, few_labels, helpers
 from .helpers import VENV_BIN, Early, options, pack_argv
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ measured run these and test_preprocess.py left 395 core-seconds idle in 497 seco
 work (:func:`early`) needs CPU, so it takes the idle cores instead of the busy tests' time."""
 
 
-CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py", "test_ps.py")
+CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py", "test_pretrain_few_labels.py", "test_ps.py")
 """The modules that check work run beside the rest of the suite (:func:`early`): last, so it is done by then."""
 
 
@@ -216,6 +216,8 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if "late_trained" in needs:
         work.start("late-trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
                    request.getfixturevalue("tiny_store"), helpers.LATE_TRAININGS)  # fmt: skip
+    if "few_labels" in needs:  # last: test_pretrain_few_labels.py checks it at the end
+        work.start("few-labels", few_labels.few_labels, request.getfixturevalue("mpiexec"))
     yield work
     work.stop()
 

@@ -302,13 +302,14 @@ def test_at_a_thousand_classes_an_evaluation_row_keeps_its_scalars_and_the_confu
 
 def test_secagg_masks_each_client_with_log_n_neighbours_in_a_large_federation() -> None:
     """Flower's workflow takes the bounded neighbourhood; small federations keep every client a neighbour."""
-    from clipforge.ps.federated import FederatedPlan, _secagg_workflow, secagg_shares
+    from clipforge.ps.fit_workflows import secagg_shares, secagg_workflow
 
     assert [secagg_shares(n) for n in (2, 4, 10)] == [1.0, 1.0, 1.0]
-    assert [secagg_shares(n) for n in (16, 50, 1000)] == [9, 13, 21]
-    plan = FederatedPlan("run", "store", "videovit-tiny", {}, 1, 2, 1000, 0.05, 1, 0.01, 8, secagg=True)
-    workflow = _secagg_workflow(plan, 50)
-    assert workflow.num_shares == 13 and workflow.reconstruction_threshold == 1.0
+    assert [round(secagg_shares(n) * n) for n in (16, 50, 1000)] == [9, 13, 21]
+    workflow = secagg_workflow(50, 0.0, 8.0, 2**22, 1000.0, 600.0)
+    assert workflow.num_shares == secagg_shares(50) and workflow.reconstruction_threshold == 1.0
+    # A share: applied by Flower to the clients a round actually sampled (30 of the 50 planned: 9, made odd).
+    assert round(secagg_shares(50) * 30) | 1 == 9
 
 
 def test_packing_names_a_few_skipped_files_per_reason_and_counts_the_rest(caplog) -> None:
@@ -352,21 +353,21 @@ def test_ranks_that_score_whole_videos_add_up_to_one_process_at_a_thousand_class
         assert three[key] == pytest.approx(one[key], abs=1e-9), key
 
 
-def test_the_federation_watchdog_waits_while_its_file_grows_and_learns_the_longest_gap(tmp_path: Path) -> None:
+def test_the_federation_watchdog_waits_while_the_server_beats_and_ignores_an_old_beat(tmp_path: Path) -> None:
+    import os
     import time
 
     from clipforge.ps.flower import Watchdog
 
-    rows = tmp_path / "metrics.jsonl"
-    watch = Watchdog(rows, stall_s=0.3)
-    for _ in range(4):  # four rounds of 0.2 s: never stalled, though the run is longer than the allowance
+    beat = tmp_path / "heartbeat"
+    beat.touch()
+    os.utime(beat, (time.time() - 3600, time.time() - 3600))  # a previous start's last beat
+    watch = Watchdog(beat, stall_s=0.3)
+    for _ in range(4):  # 0.8 s in all, longer than the allowance, but beating
         time.sleep(0.2)
-        rows.open("a").write("{}\n")
         assert not watch.stalled()
-    assert watch.longest >= 0.2
-    time.sleep(0.3)
-    assert not watch.stalled()  # within the allowance plus the longest round
-    time.sleep(0.35)
+        beat.touch()
+    time.sleep(0.4)
     assert watch.stalled()
 
 
@@ -401,3 +402,32 @@ def test_the_rounds_a_privacy_budget_allows_are_found_by_bisection_as_a_scan_fin
     assert 0 < scan < 12 and privacy.rounds_within(8.0, 1.1, 0.5, 12, 1e-5) == scan
     assert privacy.rounds_within(1e6, 1.1, 0.5, 12, 1e-5) == 12 and privacy.rounds_within(1e-3, 1.1, 0.5, 12, 1e-5) == 0
     assert "failed to converge" not in caplog.text  # the accountant's five lines a call, left out of the log
+
+
+def test_a_rank_with_fewer_clips_runs_as_many_forward_passes_as_the_busiest_and_discards_the_extra() -> None:
+    """Under ZeRO-3 every forward pass gathers the weights from all ranks: a rank that stopped early would leave
+    the others waiting. Whole videos a rank make the shares uneven (here 3 clips against the busiest's 3 batches)."""
+    import torch
+
+    from clipforge.models.evaluation import score
+
+    class Clips(torch.utils.data.Dataset):
+        classes = ["a", "b"]
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            return torch.full((2, 4, 4, 3), i, dtype=torch.uint8), i % 2
+
+    seen: list[int] = []
+
+    def forward(clips: torch.Tensor) -> torch.Tensor:
+        seen.append(len(clips))
+        return clips.float().mean(dim=(1, 2, 3, 4))[:, None].repeat(1, 2)
+
+    logits, labels = score(forward, Clips(), [0, 1, 2], 2, None, batches=3)
+    assert seen == [2, 1, 1] and logits.shape == (3, 2) and labels.tolist() == [0, 1, 0]
+    seen.clear()
+    logits, labels = score(forward, Clips(), [], 2, None, batches=2)  # a rank with no video at all
+    assert seen == [1, 1] and logits.shape == (0, 2)

@@ -166,7 +166,7 @@ def flower(store: Path, run: Path, clients: int, rounds: int, *extra: str) -> di
     if result.returncode:
         raise RuntimeError(f"flower {' '.join(extra)} failed:\n{result.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    last = [r["video_top1"] for r in rows if r["kind"] == "round"][-4:]
+    last = [r["video_top1"] for r in rows if r["kind"] == "round" and "video_top1" in r][-4:]
     final = next(r["video_top1"] for r in reversed(rows) if r["kind"] == "eval")
     return {"s": clock.seconds_per_round(), "bytes": wire.total() / rounds, "top1": final, "last4": mean(last)}
 
