@@ -50,19 +50,20 @@ class Tally:
 
     classes: int
     sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(SUMS)))
-    confusion: np.ndarray = None  # type: ignore[assignment]
+    confusion: np.ndarray = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        if self.confusion is None:
-            self.confusion = np.zeros((self.classes, self.classes), np.int64)
+        self.confusion = np.zeros((self.classes, self.classes), np.int64)
 
     def add_clips(self, logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """Clip-level hits and loss (cross-entropy, summed here) of ``logits``; returns their softmax rows."""
         z = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
-        log_probs = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        probs = np.exp(log_probs)
-        picked = log_probs[np.arange(len(labels)), labels]
-        self.sums[0:4] += [len(labels), hits(probs, labels, 1), hits(probs, labels, 5), float(-picked.sum())]
+        e = np.exp(z)
+        total = e.sum(axis=1, keepdims=True)
+        probs = e / total
+        rows = np.arange(len(labels))
+        loss = float((np.log(total[:, 0]) - z[rows, labels]).sum())  # -log softmax at the label, without a 2nd exp
+        self.sums[0:4] += [len(labels), hits(probs, labels, 1), hits(probs, labels, 5), loss]
         return probs
 
     def add_videos(self, video_probs: np.ndarray, video_labels: np.ndarray) -> None:

@@ -1,16 +1,14 @@
 """Pretraining on unlabelled clips, then fine-tuning on a tenth of their labels, against training from scratch on
-the same tenth: the early work test_pretrain.py checks, as jobs/bench/pretrain.py runs it (its corpus, split,
+the same tenth: the early work test_pretrain_few_labels.py checks, as jobs/bench/pretrain.py runs it (its corpus, split,
 model and settings), at one pretraining and two fine-tuning seeds a side."""
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 from clipforge.hpc.distenv import free_port
-from clipforge.jobs.bench.pretrain import MODEL, manifests
-from clipforge.preprocess import synthetic
+from clipforge.jobs.bench.pretrain import CLIPS, FINE_TUNING, MODEL, make_videos, manifests, pretraining, train_argv
 
 from .helpers import Early, pack_argv
 
@@ -21,8 +19,6 @@ FINE_TUNE_STEPS = 120
 """Fine-tuning steps of 8 clips, and the from-scratch runs': 20 epochs of the 48 labelled clips."""
 SEEDS = (0, 1)
 """Fine-tuning seeds: each fine-tunes the pretraining and trains from scratch once."""
-PRETRAINING = ["--objective", "mae", "--optim.lr", "1.5e-3", "--mae.no-norm-pixels", "--mae.masking", "random"]
-FINE_TUNING = ["--model.drop-path", "0.1", "--optim.lr", "1e-3"]
 
 
 def few_labels(early: Early, mpiexec: list[str]) -> dict[str, Path]:
@@ -33,25 +29,21 @@ def few_labels(early: Early, mpiexec: list[str]) -> dict[str, Path]:
     video (126), the labelled share a tenth of them per class (12). Its pretraining masks tokens at random (90%).
     """
     root = early.root / "few-labels"
-    synthetic.make_corpus(root / "videos", videos_per_class=30, frames=(48, 64), seed=3, textured=True)
-    pool, labelled = manifests(root / "videos", root, 0.1)
-    clips = {"clip_frames": 8, "frame_stride": 2, "height": 32, "width": 32, "clips_per_video": 4}
+    pool, labelled = manifests(make_videos(root / "videos", 30, textured=True), root, 0.1)
     for manifest in (pool, labelled):
         process = early.process(f"few-labels-pack-{manifest.stem}", pack_argv(mpiexec, 2, manifest,
-                                root / manifest.stem, **clips))  # fmt: skip
+                                root / manifest.stem, *CLIPS))  # fmt: skip
         assert process.wait(timeout=600) == 0, (early.root / f"few-labels-pack-{manifest.stem}.log").read_text()[-3000:]
     env, runs = early.own_extensions(), {}
 
     def run(name: str, store: str, steps: int, seed: int, *extra: str) -> None:
         runs[name] = root / name
-        argv = [*mpiexec, "-n", "1", "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", "clipforge.jobs.train"]
-        argv += ["--data.store", str(root / store), "--run-dir", str(runs[name]), "--steps", str(steps)]
-        argv += ["--batch-per-rank", "8", "--data.workers", "0", "--eval-every", "100000"]
-        argv += ["--checkpoint-every", "100000", "--seed", str(seed), *extra]
+        launch = [*mpiexec, "-n", "1", "-x", f"MASTER_PORT={free_port()}"]
+        argv = [*launch, *train_argv(root / store, runs[name], steps, seed, *extra)]
         process = early.process(f"few-labels-{name}", argv, dict(env, TMPDIR=tempfile.mkdtemp(prefix="cf-mpi-")))
         assert process.wait(timeout=1800) == 0, (early.root / f"few-labels-{name}.log").read_text()[-4000:]
 
-    run("pretrained", "pool", PRETRAIN_STEPS, 0, *MODEL, *PRETRAINING)
+    run("pretrained", "pool", PRETRAIN_STEPS, 0, *MODEL, *pretraining("random", norm_pixels=False))
     for seed in SEEDS:
         run(f"fine-tuned-{seed}", "labelled", FINE_TUNE_STEPS, seed, "--model.weights", str(runs["pretrained"]),
             *FINE_TUNING)  # fmt: skip

@@ -67,18 +67,39 @@ class Config:
     ``--no-norm-pixels``: on the pixels as they are."""
 
 
+CLIPS = ["--clip-frames", "8", "--frame-stride", "2", "--height", "32", "--width", "32", "--clips-per-video", "4"]
+"""How both stores are packed: 8x32x32 clips, four a video."""
+FINE_TUNING = ["--model.drop-path", "0.1", "--optim.lr", "1e-3"]
+"""Fine-tuning's settings, and training from scratch's."""
+
+
+def pretraining(masking: str, norm_pixels: bool) -> list[str]:
+    """Pretraining's settings."""
+    pixels = "--mae.norm-pixels" if norm_pixels else "--mae.no-norm-pixels"
+    return ["--objective", "mae", "--optim.lr", "1.5e-3", pixels, "--mae.masking", masking]
+
+
+def make_videos(root: Path, videos_per_class: int, textured: bool) -> Path:
+    """The benchmark's corpus (seed 3) under ``root``."""
+    synthetic.make_corpus(root, videos_per_class=videos_per_class, frames=(48, 64), seed=3, textured=textured)
+    return root
+
+
+def train_argv(store: Path, run: Path, steps: int, seed: int, *extra: str) -> list[str]:
+    """One training run of the benchmark (batch 8, evaluated once at its end), without the launcher."""
+    argv = [sys.executable, "-m", "clipforge.jobs.train", "--data.store", str(store), "--run-dir", str(run)]
+    argv += ["--steps", str(steps), "--batch-per-rank", "8", "--data.workers", "0"]
+    return [*argv, "--eval-every", "100000", "--checkpoint-every", "100000", "--seed", str(seed), *extra]
+
+
 def pack(manifest: Path, out: Path) -> Path:
     argv = [*mpiexec_command(2), sys.executable, "-m", "clipforge.jobs.preprocess", "--videos", str(manifest)]
-    argv += ["--out", str(out), "--clip-frames", "8", "--frame-stride", "2", "--height", "32", "--width", "32"]
-    argv += ["--clips-per-video", "4"]
-    subprocess.run(argv, check=True, capture_output=True)
+    subprocess.run([*argv, "--out", str(out), *CLIPS], check=True, capture_output=True)
     return out
 
 
 def train(store: Path, run: Path, steps: int, seed: int, *extra: str) -> dict:
-    argv = [*mpiexec_command(1), sys.executable, "-m", "clipforge.jobs.train", "--data.store", str(store)]
-    argv += ["--run-dir", str(run), "--steps", str(steps), "--batch-per-rank", "8", "--data.workers", "0"]
-    argv += ["--eval-every", "100000", "--checkpoint-every", "100000", "--seed", str(seed), *extra]
+    argv = [*mpiexec_command(1), *train_argv(store, run, steps, seed, *extra)]
     result = subprocess.run(argv, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"{run.name} failed:\n{result.stderr[-3000:]}")
@@ -112,12 +133,9 @@ def spread(values: list[float]) -> str:
 
 
 def main(cfg: Config) -> None:
-    pixels = "--mae.norm-pixels" if cfg.norm_pixels else "--mae.no-norm-pixels"
     with tempfile.TemporaryDirectory(prefix="clipforge-bench-pretrain-") as tmp:
         work = Path(tmp)
-        synthetic.make_corpus(
-            work / "videos", videos_per_class=cfg.videos_per_class, frames=(48, 64), seed=3, textured=cfg.textured
-        )
+        make_videos(work / "videos", cfg.videos_per_class, cfg.textured)
         pool_csv, labelled_csv = manifests(work / "videos", work, cfg.label_share)
         pool, labelled = pack(pool_csv, work / "pool"), pack(labelled_csv, work / "labelled")
         n_pool = sum(1 for line in pool_csv.read_text().splitlines() if line.endswith(",train"))
@@ -125,7 +143,7 @@ def main(cfg: Config) -> None:
         pretrained, tuned, scratch = {}, {}, {}
         for p in range(cfg.repeats):
             mae = work / f"mae-{p}"
-            objective = ["--objective", "mae", "--optim.lr", "1.5e-3", pixels, "--mae.masking", cfg.masking]
+            objective = pretraining(cfg.masking, cfg.norm_pixels)
             pretrained[p] = train(pool, mae, cfg.pretrain_steps, p, *MODEL, *objective)
             print(f"  pretraining {p}: {pretrained[p]['clips_per_s']:.1f} clips/s", file=sys.stderr, flush=True)
             for f in range(cfg.fine_tune_seeds):
@@ -134,7 +152,7 @@ def main(cfg: Config) -> None:
                     sides["from scratch"] = MODEL
                 for side in list(sides) if (p + f) % 2 == 0 else list(reversed(sides)):
                     got = train(labelled, work / f"{side}-{p}-{f}".replace(" ", "-"), cfg.fine_tune_steps, f,
-                                *sides[side], "--model.drop-path", "0.1", "--optim.lr", "1e-3")  # fmt: skip
+                                *sides[side], *FINE_TUNING)  # fmt: skip
                     (tuned.setdefault(p, {}) if side == "fine-tuned" else scratch)[f] = got
                     print(f"  pretraining {p}, seed {f}: {side} video top-1 {got['video_top1']:.3f}", file=sys.stderr,
                           flush=True)  # fmt: skip
