@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 
 VENV=${CLIPFORGE_VENV:-.venv}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
-DEBIAN_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge libpmix-dev mariadb-server git-lfs hdf5-tools iproute2 util-linux)
+DEBIAN_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge libpmix-dev mariadb-server git-lfs hdf5-tools iproute2 util-linux nginx)
 
 say() { printf '==> %s\n' "$*" >&2; }
 

@@ -19,10 +19,15 @@ outlives a lost node (its step runs with srun --no-kill; give sbatch --no-kill
 too): a round waits --round-timeout-s for the clients there, then goes on with
 those that answered, as long as --min-clients did.
 
-The server is Flower's SuperLink with TLS (the federation's CA) and SuperNode
-authentication: only clients whose public keys are registered join. Each
-client is a SuperNode with its own key, training on its own share of a store
-(--shares iid or by_class). The run directory is the one every run writes:
+The server is Flower's SuperLink on loopback behind a gate (nginx) that
+admits only clients with a certificate from the federation's CA and forwards
+only the Fleet API; only clients whose keys the job registered join, and only
+they are sampled. The server checks every update (arrays, shapes, finite
+values), weighs it by the share the job assigned, and clips it itself for
+differential privacy unless SecAgg+ hides it. Each client is a SuperNode with
+its own key, training on its own share of a store (--shares iid or by_class);
+with --outside N the last N clients are sites elsewhere that join with
+`clipforge fl join`. The run directory is the one every run writes:
 config, a metrics row per round, the global model after each round (a killed
 server resumes from its last round), final weights and record.
 """
@@ -58,10 +63,10 @@ from clipforge.models.builders import architecture, start_from
 from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
-from clipforge.ps import certs, dpsgd, privacy
+from clipforge.ps import certs, dpsgd, guard, privacy
 from clipforge.ps.federated import HEARTBEAT, FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
-from clipforge.ps.worker import DATA_READ
+from clipforge.ps.worker import DATA_READ, partition
 from clipforge.rundir import RunDir
 
 log = logging.getLogger("clipforge.fl_train")
@@ -74,7 +79,18 @@ class Config:
     run_dir: Path = Path("runs/fl")
     """Where config, metrics per round, the global model of each round and the final weights go."""
     clients: int = 2
-    """SuperNodes this job starts (on Slurm: one per task after the server's)."""
+    """Clients in the federation: the job registers a key for each and starts a SuperNode for each but the
+    --outside ones (on Slurm: one per task after the server's)."""
+    outside: int = 0
+    """The last N clients are sites elsewhere, which join with `clipforge fl join` (the job starts no SuperNode
+    for them)."""
+    client_examples: tuple[float, ...] | None = None
+    """The examples each client's update weighs by, one per client; default: its share of --data.store's training
+    clips (what clients claim is ignored). Give it when outside sites train on data of their own."""
+    aggregation: guard.Aggregation = "fedavg"
+    """How the server combines the checked updates: fedavg (weighted mean), or, for clients that may be hostile,
+    trimmed-mean (per weight, without the top and bottom 20%), median (per weight) or krum (the update nearest
+    the others). Not with --secagg (the server sees only the sum) or --dp.* (the noise is calibrated to a mean)."""
     rounds: int = 5
     """Federated rounds."""
     min_clients: int | None = None
@@ -141,10 +157,23 @@ def check(cfg: Config) -> None:
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise config.ConfigError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
-    if cfg.resources.ntasks not in (1, cfg.clients + 1):
+    if not 0 <= cfg.outside <= cfg.clients:
+        raise config.ConfigError(f"--outside {cfg.outside}: give 0 to --clients ({cfg.clients})")
+    local = cfg.clients - cfg.outside
+    if cfg.resources.ntasks not in (1, local + 1):
         raise config.ConfigError(
-            f"{cfg.resources.ntasks} tasks for {cfg.clients} clients: give one task for the whole federation, or one "
-            f"for the server and one per client (e.g. --nodes {cfg.clients + 1} --ntasks-per-node 1)"
+            f"{cfg.resources.ntasks} tasks for {local} clients: give one task for the whole federation, or one "
+            f"for the server and one per client (e.g. --nodes {local + 1} --ntasks-per-node 1)"
+        )
+    if cfg.client_examples is not None and (len(cfg.client_examples) != cfg.clients or min(cfg.client_examples) <= 0):
+        raise config.ConfigError(
+            f"--client-examples {' '.join(f'{n:g}' for n in cfg.client_examples)}: give one positive count per "
+            f"client ({cfg.clients})"
+        )
+    if cfg.aggregation != "fedavg" and (cfg.secagg or cfg.dp.noise_multiplier > 0 or cfg.dp.target_epsilon):
+        raise config.ConfigError(
+            f"--aggregation {cfg.aggregation} needs each update in the clear and a mean's noise: SecAgg+ shows the "
+            "server only the sum, and client-level DP's noise is calibrated to a mean; drop one of them"
         )
     if cfg.transport != "fp32" and (cfg.secagg or cfg.dp.noise_multiplier > 0 or cfg.dp.target_epsilon is not None):
         raise config.ConfigError(
@@ -224,8 +253,18 @@ def budgeted_rounds(cfg: Config) -> int:
     )
 
 
-def plan(cfg: Config, start: Path | None = None) -> FederatedPlan:
-    """The server's plan; ``start``: the weights file the global model starts from (:func:`starting_weights`)."""
+def examples(cfg: Config) -> list[float]:
+    """What each client's update weighs by: --client-examples, or its share of the store's training clips."""
+    if cfg.client_examples is not None:
+        return [float(n) for n in cfg.client_examples]
+    labels = ClipDataset(ClipStore.open(cfg.data.store), cfg.data.train_split).labels
+    return [float(len(share)) for share in partition(labels, cfg.clients, cfg.shares, cfg.seed)]
+
+
+def plan(cfg: Config, start: Path | None = None, nodes: dict[str, int] | None = None) -> FederatedPlan:
+    """The server's plan; ``start``: the weights file the global model starts from (:func:`starting_weights`);
+    ``nodes``: the node ids the job registered, and which client each is."""
+    shares = examples(cfg)
     return FederatedPlan(
         run_dir=str(cfg.run_dir.resolve()),
         store=str(Path(cfg.data.store).resolve()),
@@ -255,12 +294,13 @@ def plan(cfg: Config, start: Path | None = None) -> FederatedPlan:
         secagg_clipping_range=cfg.secagg_clipping_range,
         secagg_quantization_range=cfg.secagg_quantization_range,
         secagg_may_drop=cfg.secagg_may_drop,
-        # The clients here are this job's: the largest share bounds every example count.
-        secagg_max_weight=float(
-            -(-len(ClipDataset(ClipStore.open(cfg.data.store), cfg.data.train_split)) // cfg.clients)
-        ),
+        # The largest assigned share bounds every example count (a client's claim above it is clipped to it).
+        secagg_max_weight=max(shares),
         start_weights=None if start is None else str(start.resolve()),
         start_source=None if cfg.model.weights is None else str(cfg.model.weights),
+        nodes=dict(nodes or {}),
+        examples=shares,
+        aggregation=cfg.aggregation,
     )
 
 
@@ -293,10 +333,11 @@ def main(cfg: Config) -> dict | None:
     env = dist_env()
     share_cores(ranks=cfg.clients if env.world_size == 1 else None)  # the clients' processes inherit the threads
     setup_logging(env.rank if env.world_size > 1 else None)
-    if env.world_size not in (1, cfg.clients + 1):
+    local = cfg.clients - cfg.outside
+    if env.world_size not in (1, local + 1):
         raise FlowerError(
-            f"{env.world_size} tasks for {cfg.clients} clients: give one task for the whole federation, or one for "
-            f"the server and one per client ({cfg.clients + 1})"
+            f"{env.world_size} tasks for {local} clients: give one task for the whole federation, or one for "
+            f"the server and one per client ({local + 1})"
         )
     if env.world_size > 1 and env.rank > 0:
         return client_task(cfg, env.rank - 1, env.job_id, env.restart_count)
@@ -307,10 +348,10 @@ def main(cfg: Config) -> dict | None:
     announce_budget(cfg)
     started = time.monotonic()
     if env.world_size == 1:  # the server and every client in this task
-        if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists():
+        if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists():
             certs.make_certs(cfg.keys, cfg.clients)
         superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
-        address = superlink.address
+        address = superlink.fleet_address
     else:  # this task serves; the other tasks, on whichever nodes Slurm gave them, are the clients
         ensure_certs(cfg, env.master_addr)
         superlink = SuperLink(cfg.keys, cfg.port or env.master_port, work, listen="0.0.0.0")
@@ -318,24 +359,33 @@ def main(cfg: Config) -> dict | None:
     nodes: list[SuperNode] = []
     status, run_id = "not started", None
     try:
-        for i in range(cfg.clients):
-            superlink.register(certs.client_public_key(cfg.keys, i))
+        registered = {str(superlink.register(certs.client_public_key(cfg.keys, i))): i for i in range(cfg.clients)}
         if env.world_size == 1:
-            for i in range(cfg.clients):
+            for i in range(local):
+                key = certs.client_key(cfg.keys, i)
                 nodes.append(
                     SuperNode(
-                        i, certs.client_key(cfg.keys, i), cfg.keys / certs.CA_CERT, address, node_config(cfg, i),
-                        None, work,
+                        i, key, certs.client_cert(cfg.keys, i), cfg.keys / certs.CA_CERT, address,
+                        node_config(cfg, i), None, work,
                     )
                 )  # fmt: skip
             for node in nodes:
                 node.wait_ready()
-            log.info("SuperLink at %s with %d authenticated SuperNodes (TLS)", address, len(nodes))
+            log.info("gate at %s (mutual TLS) with %d authenticated SuperNodes of this job", address, len(nodes))
         else:
             _signal(work, "superlink", env.job_id, env.restart_count, address)
-            log.info("SuperLink at %s (TLS); %d client tasks join it", address, cfg.clients)
-        plan_file = plan(cfg, start).write(work / "plan.json")
-        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": noise_multiplier(cfg) > 0}
+            log.info("gate at %s (mutual TLS); %d client tasks join it", address, local)
+        if cfg.outside:
+            log.info(
+                "waiting for %d clients from other sites: each runs `clipforge fl join --superlink %s --ca ca.crt "
+                "--key client-N.key --cert client-N.crt --data.store ...` with its own keys (N: %s)",
+                cfg.outside,
+                address,
+                ", ".join(str(i) for i in range(local, cfg.clients)),
+            )
+        plan_file = plan(cfg, start, registered).write(work / "plan.json")
+        # The clients clip their updates only under SecAgg+, where the server cannot: otherwise the server does.
+        run_config = {"plan": str(plan_file), "secagg": cfg.secagg, "dp": cfg.secagg and noise_multiplier(cfg) > 0}
         # The ServerApp beats every 10 s once started; its start (imports, the store, the model) takes the allowance.
         run_id, status = superlink.run(run_config, 600, run.root / HEARTBEAT)
     finally:
@@ -386,7 +436,7 @@ def announce_budget(cfg: Config) -> None:
 def ensure_certs(cfg: Config, host: str) -> None:
     """Keys for every client and a server certificate valid for ``host``, the node the clients reach."""
     hosts = ("localhost", "127.0.0.1", host)
-    missing = not (cfg.keys / certs.CA_CERT).exists() or not certs.client_key(cfg.keys, cfg.clients - 1).exists()
+    missing = not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists()
     if missing or not set(hosts) <= certs.server_hosts(cfg.keys):
         if (cfg.keys / certs.CA_CERT).exists() and not (cfg.keys / certs.CA_KEY).exists():
             raise FlowerError(
@@ -423,10 +473,8 @@ def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None
     address = _wait_signal(work, "superlink", job, restarts, timeout_s=600)
     if address is None:
         raise FlowerError(f"client {index}: the server task did not start its SuperLink within 600 s; see its log")
-    node = SuperNode(
-        index, certs.client_key(cfg.keys, index), cfg.keys / certs.CA_CERT, address, node_config(cfg, index),
-        None, work,
-    )  # fmt: skip
+    key, cert = certs.client_key(cfg.keys, index), certs.client_cert(cfg.keys, index)
+    node = SuperNode(index, key, cert, cfg.keys / certs.CA_CERT, address, node_config(cfg, index), None, work)
     finished = None
     try:
         node.wait_ready()

@@ -1,17 +1,23 @@
 """The keys and certificates of a federation: a CA, the server's TLS certificate, one key pair per client.
 
-Made with the ``cryptography`` package, never by hand. The SuperLink (the
-server) serves TLS with a certificate the CA signed for its host names; every
-SuperNode (a client) trusts that CA and proves who it is with an elliptic-curve
-key pair whose public half the server registers (Flower's SuperNode
-authentication). Nothing secret needs to travel from a client to the server:
-the server needs only the client's public key.
+Made with the ``cryptography`` package, never by hand. The server's gate
+(:mod:`gate`, in front of Flower's SuperLink) serves TLS with a certificate the
+CA signed for its host names, and admits only clients that show a certificate
+the same CA signed (mutual TLS). Every client holds one elliptic-curve key pair:
+its certificate is for that key, and Flower's SuperNode authentication checks
+the same key against the public halves the job registered. Nothing secret needs
+to travel from a client to the server.
+
+Private keys are created with mode 600 (``os.open`` with ``O_CREAT | O_EXCL``),
+never written first and narrowed afterwards: under a umask of 022 a key written
+with the default mode is readable by every user of the host until its chmod.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
 from clipforge.base.errors import UserError
@@ -33,6 +39,41 @@ def client_key(folder: Path, index: int) -> Path:
 
 def client_public_key(folder: Path, index: int) -> Path:
     return Path(folder) / f"client-{index}.key.pub"
+
+
+def client_cert(folder: Path, index: int) -> Path:
+    """Client ``index``'s TLS certificate (for its own key), which the server's gate asks for."""
+    return Path(folder) / f"client-{index}.crt"
+
+
+def write_secret(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a file that is mode 600 from its creation, then move it into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def tls_key_pem(key_file: Path) -> bytes:
+    """A client's private key (OpenSSH, as Flower reads it) in PKCS#8 PEM, as TLS libraries read it."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_ssh_private_key(Path(key_file).read_bytes(), None)
+    except (OSError, ValueError) as bad:
+        raise CertError(f"{key_file}: not a client key made by clipforge fl certs ({bad})") from None
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] | None = None) -> list[Path]:
@@ -60,9 +101,11 @@ def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] | None = None)
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
 
-    def write(path: Path, data: bytes, mode: int) -> None:
-        path.write_bytes(data)
-        path.chmod(mode)
+    def write(path: Path, data: bytes, secret: bool = False) -> None:
+        if secret:
+            write_secret(path, data)
+        else:
+            path.write_bytes(data)
         made.append(path)
 
     if not (folder / CA_CERT).exists():
@@ -82,8 +125,8 @@ def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] | None = None)
             )  # digital signature, certificate and CRL signing
             .sign(ca_key, hashes.SHA256())
         )
-        write(folder / CA_KEY, private_pem(ca_key), 0o600)
-        write(folder / CA_CERT, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+        write(folder / CA_KEY, private_pem(ca_key), secret=True)
+        write(folder / CA_CERT, ca.public_bytes(serialization.Encoding.PEM))
     ca_key = serialization.load_pem_private_key((folder / CA_KEY).read_bytes(), None)
     ca = x509.load_pem_x509_certificate((folder / CA_CERT).read_bytes())
     covered = server_hosts(folder)
@@ -110,19 +153,68 @@ def make_certs(folder: Path, clients: int, hosts: tuple[str, ...] | None = None)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256())
         )
-        write(folder / SERVER_KEY, private_pem(key), 0o600)
-        write(folder / SERVER_CERT, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write(folder / SERVER_KEY, private_pem(key), secret=True)
+        write(folder / SERVER_CERT, cert.public_bytes(serialization.Encoding.PEM))
     for i in range(clients):
-        if client_key(folder, i).exists():
+        if not client_key(folder, i).exists():
+            key = ec.generate_private_key(ec.SECP384R1())
+            openssh = key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            )
+            public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+            write(client_key(folder, i), openssh, secret=True)
+            write(client_public_key(folder, i), public + b"\n")
+        if client_cert(folder, i).exists():
             continue
-        key = ec.generate_private_key(ec.SECP384R1())
-        openssh = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        # The certificate is for the key the SuperNode signs in with: one key pair per client, for both.
+        key = serialization.load_ssh_private_key(client_key(folder, i).read_bytes(), None)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"client-{i}")]))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
         )
-        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-        write(client_key(folder, i), openssh, 0o600)
-        write(client_public_key(folder, i), public + b"\n", 0o644)
+        write(client_cert(folder, i), cert.public_bytes(serialization.Encoding.PEM))
     return made
+
+
+def loopback_certificate(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate and its key for 127.0.0.1, made in ``folder`` for one client gate's loopback side
+    (Flower's SuperNode signs in only over TLS); the SuperNode trusts this certificate alone. Its files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = Path(folder)
+    cert_file, key_file = folder / "loopback.crt", folder / "loopback.key"
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "clipforge client gate (loopback)")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    write_secret(
+        key_file,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert_file, key_file
 
 
 def server_hosts(folder: Path) -> set[str]:
@@ -147,7 +239,10 @@ def handout(folder: Path, clients: int) -> list[str]:
         f"server (SuperLink): {f / CA_CERT}, {f / SERVER_CERT}, {f / SERVER_KEY} (keep {f / CA_KEY} offline)",
         f"server, to register the clients: {', '.join(str(client_public_key(f, i)) for i in range(clients))}",
     ]
-    lines += [f"client {i} (SuperNode): {f / CA_CERT} and {client_key(f, i)} (its own only)" for i in range(clients)]
+    lines += [
+        f"client {i} (clipforge fl join): {f / CA_CERT}, {client_key(f, i)} and {client_cert(f, i)} (its own only)"
+        for i in range(clients)
+    ]
     return lines
 
 

@@ -81,6 +81,13 @@ class PrivateSteps:
         self.module._close()
 
 
+def share_epsilon(noise_multiplier: float, clips: int, batch: int, epochs: int, delta: float) -> float:
+    """Epsilon at ``delta`` of a client that made ``epochs`` passes over ``clips`` in Poisson batches of ``batch``
+    (each pass as many steps as :class:`PrivateSteps` takes: Opacus's sampler, 1 / rate of them)."""
+    rate = min(1.0, batch / clips)
+    return epsilon(noise_multiplier, rate, epochs * int(1 / rate), delta)
+
+
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """Epsilon at ``delta`` after ``steps`` DP-SGD steps, from Opacus's RDP accountant."""
     from opacus.accountants import RDPAccountant

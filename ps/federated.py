@@ -1,10 +1,13 @@
 """Federated training on Flower: what the server and each client do in a round.
 
 The server (a Flower ServerApp) holds the global model: it starts it from the
-run directory's last round if there is one, has Flower's FedAvg (FedProx with a proximal mu) sample clients
-and average their updates weighted by their examples, and after each round
-evaluates the global model, checkpoints it into the run directory and writes
-the round's metrics. A client (a Flower ClientApp on a SuperNode) builds the
+run directory's last round if there is one, samples only the nodes the job
+registered, checks every update and weighs it by the examples the job assigned
+its node (:mod:`guard`), has Flower's FedAvg (FedProx with a proximal mu, or a
+robust aggregation) combine them, and after each round evaluates the global
+model, checkpoints it into the run directory and writes the round's metrics.
+The privacy accountant runs here, from the noise the server applied and the
+rounds it ran: nothing a client reports enters an epsilon. A client (a Flower ClientApp on a SuperNode) builds the
 same architecture from what the round's config names, loads the global
 weights, trains on its own share of its own store and sends back its weights
 and its number of examples. Weights travel as arrays (Flower's own records),
@@ -32,9 +35,9 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
 
-from . import dpsgd, privacy
-from .fit_workflows import secagg_workflow, timed_fit_workflow
-from .transport import encode, half_transport
+from . import dpsgd, guard, privacy
+from .fit_workflows import registered_only, secagg_workflow, timed_fit_workflow
+from .transport import encode
 from .worker import Augment, partition
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,12 @@ class FederatedPlan:
     read by the server before round 1 only; None: the seed's initialisation."""
     start_source: str | None = None
     """Where the weights came from, for the record: ``registry:NAME@REF`` as given, or the local file."""
+    nodes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The node ids the job registered (Flower's, as strings) and the client each one is: no other is sampled."""
+    examples: list[float] = dataclasses.field(default_factory=list)
+    """The examples each client's update weighs by (by client index), as the job assigned them."""
+    aggregation: guard.Aggregation = "fedavg"
+    """How the checked updates are combined: FedAvg, or a robust aggregation for clients that may be hostile."""
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -124,7 +133,6 @@ def serve(grid, context) -> None:
     """The ServerApp's main: FedAvg over the SuperNodes for the plan's rounds, resuming after the last saved one."""
     from flwr.common import ndarrays_to_parameters
     from flwr.server import LegacyContext, ServerConfig
-    from flwr.server.strategy import FedAvg, FedProx
     from flwr.server.workflow import DefaultWorkflow
 
     plan = FederatedPlan.read(Path(str(context.run_config["plan"])))
@@ -146,19 +154,15 @@ def serve(grid, context) -> None:
     keys = list(model.state_dict())
     eval_set = ClipDataset(store, plan.eval_split)
     started = time.time()
-    reported: dict[str, float] = {}
     evaluated: dict[int, dict[str, Any]] = {}
     """The global model's metrics by round, so the last round's evaluation is not run again for the record."""
     stop_beating = threading.Event()
     threading.Thread(target=heartbeat, args=(Path(plan.run_dir) / HEARTBEAT, stop_beating), daemon=True).start()
 
-    def clients_epsilon(results: list[tuple[int, dict]]) -> dict:
-        """DP-SGD: the largest sample-level epsilon the round's clients report (each one's own, over its clips)."""
-        spent = [float(m["sample_epsilon"]) for _, m in results if "sample_epsilon" in m]
-        reported.clear()  # this round's alone: a round whose clients report none gets no figure, not the last one
-        if spent:
-            reported["sample_epsilon"] = max(spent)
-        return dict(reported)
+    refused: dict[int, list[str]] = {}
+    """The nodes whose updates the checks refused, by round (:mod:`guard`)."""
+    # Under client-level DP every update weighs the same: the noise is calibrated to a plain mean of clipped updates.
+    weights = [1.0] * plan.clients if plan.dp_noise_multiplier > 0 else [float(n) for n in plan.examples]
 
     def after_round(server_round: int, arrays: list[np.ndarray], config: dict) -> tuple[float, dict] | None:
         if server_round == 0:
@@ -176,8 +180,10 @@ def serve(grid, context) -> None:
         if plan.dp_noise_multiplier > 0:
             row["epsilon"] = privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, finished, plan.dp_delta)
             row["delta"] = plan.dp_delta
-        if "sample_epsilon" in reported:
-            row.update(sample_epsilon=reported["sample_epsilon"], delta=plan.dp_delta)
+        if plan.dp_sgd_noise_multiplier > 0:
+            row.update(sample_epsilon=sample_epsilon(plan, finished), delta=plan.dp_delta)
+        if refused.get(server_round):
+            row["refused"] = refused[server_round]
         run.append_metrics({**row, "seconds": time.time() - started})
         if not due:
             print(f"round {finished}/{plan.rounds}: saved (evaluated every {plan.eval_every} rounds)", flush=True)
@@ -191,10 +197,10 @@ def serve(grid, context) -> None:
 
     sampled = max(plan.min_clients, round(plan.client_fraction * plan.clients))  # as FedAvg samples
     if done < plan.rounds:
-        algorithm = FedProx if plan.proximal_mu > 0 else FedAvg
-        extra = {"proximal_mu": plan.proximal_mu} if plan.proximal_mu > 0 else {}
-        strategy = algorithm(
-            **extra,
+        strategy = guard.aggregator(
+            plan.aggregation,
+            plan.proximal_mu,
+            plan.clients,
             fraction_fit=plan.client_fraction,
             fraction_evaluate=0.0,  # the server evaluates the global model on its own split
             min_fit_clients=plan.min_clients,
@@ -202,17 +208,30 @@ def serve(grid, context) -> None:
             initial_parameters=ndarrays_to_parameters([v.numpy() for v in model.state_dict().values()]),
             evaluate_fn=after_round,
             on_fit_config_fn=lambda server_round: round_config(plan, store, done + server_round),
-            fit_metrics_aggregation_fn=clients_epsilon,
+            fit_metrics_aggregation_fn=lambda results: {},  # what clients report enters no figure
         )
-        if plan.transport != "fp32":
-            strategy = half_transport(strategy)
         if plan.dp_noise_multiplier > 0:
-            from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping
-
-            # Clipping on the clients (their mod), noise on the sum: compatible with SecAgg+.
-            strategy = DifferentialPrivacyClientSideFixedClipping(
-                strategy, plan.dp_noise_multiplier, plan.dp_clipping_norm, sampled
+            from flwr.server.strategy import (
+                DifferentialPrivacyClientSideFixedClipping,
+                DifferentialPrivacyServerSideFixedClipping,
             )
+
+            # Under SecAgg+ the server sees only the sum, so the clients clip (their mod) and it adds the noise;
+            # otherwise the server clips each update itself: a client that skips its clipping gains nothing.
+            central = (
+                DifferentialPrivacyClientSideFixedClipping
+                if plan.secagg
+                else DifferentialPrivacyServerSideFixedClipping
+            )
+            strategy = central(strategy, plan.dp_noise_multiplier, plan.dp_clipping_norm, sampled)
+        round_start: list[list[np.ndarray]] = [[]]
+
+        def start_of_round(arrays: list[np.ndarray] | None = None) -> list[np.ndarray]:
+            if arrays is not None:
+                round_start[0] = arrays
+            return round_start[0]
+
+        strategy = guard.checked(strategy, start_of_round, plan.nodes, weights, plan.transport, refused)
         rounds_left = ServerConfig(num_rounds=plan.rounds - done, round_timeout=plan.round_timeout_s)
         legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
         if plan.secagg:
@@ -222,13 +241,12 @@ def serve(grid, context) -> None:
             )  # fmt: skip
         else:
             fit = timed_fit_workflow(plan.round_timeout_s)
-        DefaultWorkflow(fit_workflow=fit)(grid, legacy)
+        DefaultWorkflow(fit_workflow=fit)(registered_only(grid, set(plan.nodes)), legacy)
     rounds, state = run.last_round()
     model.load_state_dict(state)
     metrics = evaluated.get(rounds) or evaluate_model(model, eval_set, plan.batch, plan.crop)
     record = RunRecord.of_run(plan.model, plan.overrides, store, plan.crop, metrics, rounds, dist_env())
-    spent = [row["sample_epsilon"] for row in run.metrics("round") if "sample_epsilon" in row]
-    record.federated = summary(plan, rounds, spent[-1] if spent else None)
+    record.federated = summary(plan, rounds)
     run.append_metrics({"kind": "eval", "step": rounds, **metrics})
     weights = run.write_final(state, record, metrics)
     print(f"federation finished after {rounds} rounds: video top-1 {metrics['video_top1']:.3f}; {weights}", flush=True)
@@ -259,11 +277,21 @@ def round_config(plan: FederatedPlan, store: ClipStore, round_index: int) -> dic
     }
 
 
-def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = None) -> dict[str, Any]:
+def sample_epsilon(plan: FederatedPlan, rounds: int) -> float:
+    """DP-SGD's epsilon after ``rounds``, the largest over the clients, from the shares the job assigned them and the
+    noise it configured: the server's own account, whatever the clients report."""
+    return max(
+        dpsgd.share_epsilon(noise, int(clips), plan.batch, plan.local_epochs * rounds, plan.dp_delta)
+        for noise, clips in ((plan.dp_sgd_noise_multiplier, n) for n in plan.examples)
+    )
+
+
+def summary(plan: FederatedPlan, rounds: int) -> dict[str, Any]:
     """The run record's account of the federation: engine, rounds, clients, aggregation and privacy."""
     out: dict[str, Any] = {
         "engine": "flower",
         "strategy": f"FedProx (mu {plan.proximal_mu:g})" if plan.proximal_mu > 0 else "FedAvg",
+        "aggregation_rule": plan.aggregation,
         "rounds": rounds,
         "clients": plan.clients,
         "client_fraction": plan.client_fraction,
@@ -280,7 +308,8 @@ def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = Non
             "clipping_norm": plan.dp_clipping_norm,
             "delta": plan.dp_delta,
             "epsilon": privacy.epsilon(plan.dp_noise_multiplier, plan.client_fraction, rounds, plan.dp_delta),
-            "accountant": "RDP (dp-accounting), Poisson sampling at the client fraction",
+            "accountant": "RDP (dp-accounting), Poisson sampling at the client fraction, computed by the server",
+            "clipping": "on the clients (SecAgg+ hides single updates)" if plan.secagg else "on the server",
         }
     if plan.dp_sgd_noise_multiplier > 0:
         out["sample_differential_privacy"] = {
@@ -288,8 +317,9 @@ def summary(plan: FederatedPlan, rounds: int, sample_epsilon: float | None = Non
             "noise_multiplier": plan.dp_sgd_noise_multiplier,
             "clipping_norm": plan.dp_sgd_clipping_norm,
             "delta": plan.dp_delta,
-            "epsilon": sample_epsilon,
-            "accountant": "RDP (Opacus), Poisson-sampled batches; the largest client's, as if it took every round",
+            "epsilon": sample_epsilon(plan, rounds),
+            "accountant": "RDP (Opacus), Poisson-sampled batches, computed by the server from the shares it assigned; "
+            "the largest client's, as if it took every round",
         }
     return out
 

@@ -27,6 +27,23 @@ def timed_fit_workflow(timeout_s: float):
     return lambda grid, context: default_fit_workflow(TimedGrid(grid), context)
 
 
+def registered_only(grid, nodes: set[str]):
+    """``grid`` as the server's workflows see it: only the nodes the job registered are there to sample.
+
+    The gate keeps outsiders from registering, and this keeps a node registered by any other way (a user of the
+    server's own host, on loopback) out of every round.
+    """
+
+    class RegisteredOnly:
+        def __getattr__(self, name: str):
+            return getattr(grid, name)
+
+        def get_node_ids(self):
+            return [node for node in grid.get_node_ids() if str(node) in nodes]
+
+    return RegisteredOnly()
+
+
 def secagg_shares(sampled: int) -> float:
     """The share of a round's sampled clients that hold a share of each client's key and mask its update pairwise
     with it: all of them (Flower's 1.0) while they are at most 2 log2 n + 2, else 2 log2 n + 1 of the n planned,

@@ -2,7 +2,10 @@
 
 Flower does the federated work (the Fleet API over HTTPS, SuperNode
 authentication, its strategies and SecAgg+); this module only starts its
-programs the way a job needs them and reads their answers. Each process gets a
+programs the way a job needs them and reads their answers. The SuperLink
+listens on loopback only; outsiders reach its Fleet API through the job's
+:class:`~clipforge.ps.gate.FleetGate`, and every SuperNode reaches that gate
+through a :class:`~clipforge.ps.gate.ClientGate` of its own (mutual TLS). Each process gets a
 ``FLWR_HOME`` of its own (where Flower keeps its config and the apps it
 installs) and the environment's ``bin`` on ``PATH``: the SuperLink and the
 SuperNodes start Flower's other programs by name.
@@ -23,6 +26,7 @@ from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import free_port
 
 from . import certs
+from .gate import ClientGate, FleetGate
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +97,18 @@ class Process:
 
 
 class SuperLink(Process):
-    """The server: TLS with the federation's certificate, only registered SuperNodes admitted."""
+    """The server: Flower's SuperLink on loopback, and its gate on the job's address, which admits only clients
+    with a certificate from the federation's CA and forwards only the Fleet API."""
 
     def __init__(self, keys: Path, port: int, work: Path, host: str = "127.0.0.1", listen: str | None = None) -> None:
-        """``host``: where this process reaches it (the CLI); ``listen``: the address it serves on (default: host;
-        ``0.0.0.0`` for SuperNodes on other nodes)."""
-        self.address, self.keys, self.work = f"{host}:{port}", Path(keys), Path(work)
+        """``port``: the gate's; ``host``: where clients on this host reach it; ``listen``: the address the gate
+        serves on (default: ``host``; ``0.0.0.0`` for SuperNodes on other nodes)."""
+        self.keys, self.work = Path(keys), Path(work)
+        self.fleet_address = f"{host}:{port}"
+        """Where SuperNodes connect (through their own gates): the job's gate."""
+        inner = free_port()
+        self.address = f"127.0.0.1:{inner}"
+        """The SuperLink itself, for the job's own ``flwr`` commands: loopback only."""
         argv = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(self.keys / certs.CA_CERT)]
         argv += [
             "--ssl-certfile",
@@ -107,15 +117,24 @@ class SuperLink(Process):
             str(self.keys / certs.SERVER_KEY),
         ]
         argv += ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
-        argv += ["--host", listen or host, "--port", str(port)]
+        argv += ["--host", "127.0.0.1", "--port", str(inner)]
         super().__init__("superlink", argv, self.work / "superlink-home", self.work / "logs")
         wait_for_line(self.log, r"Uvicorn running on https://", 120, self.process, self.since)
+        try:
+            self.gate = FleetGate(self.keys, (listen or host, port), inner, self.work / "gate")
+        except BaseException:
+            Process.stop(self)
+            raise
         home = self.work / "cli-home"
         home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             '[superlink]\ndefault = "federation"\n\n[superlink.federation]\n'
             f'address = "{self.address}"\nroot-certificates = "{self.keys / certs.CA_CERT}"\n'
         )
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.gate.stop()
+        super().stop(timeout_s)
 
     def cli(self, *args: str, timeout_s: float = 120) -> str:
         """``flwr ARGS`` against this SuperLink; its standard output."""
@@ -194,26 +213,36 @@ class Watchdog:
 
 
 class SuperNode(Process):
-    """A client: trusts the federation's CA, signs in with its own key, trains on its own data."""
+    """A client: signs in with its own key, through its own gate, which shows its certificate to the server's gate
+    and trusts only a server certificate from the federation's CA."""
 
     def __init__(
         self,
         index: int,
         key: Path,
+        cert: Path,
         ca: Path,
         superlink: str,
         node_config: dict[str, object],
         port: int | None,
         work: Path,
     ) -> None:
-        """``port``: its runtime API's; None: a free one, drawn again if another process binds it first."""
+        """``superlink``: the server's gate, HOST:PORT; ``port``: the SuperNode's runtime API's; None: a free one,
+        drawn again if another process binds it first."""
+        self.gate = ClientGate(key, cert, ca, superlink, Path(work) / f"supernode-{index}-gate")
         config = " ".join(f"{k}={json.dumps(v)}" for k, v in node_config.items())
-        argv = [str(BIN / "flower-supernode"), "--superlink", superlink, "--root-certificates", str(ca)]
+        # To its own gate, which shows the client's certificate to the server (Flower's SuperNode shows none).
+        argv = [str(BIN / "flower-supernode"), "--superlink", self.gate.address]
+        argv += ["--root-certificates", str(self.gate.root)]
         argv += ["--auth-supernode-private-key", str(key), "--node-config", config]
         self.argv = [*argv, "--max-retries", "3", "--max-wait-time", "60"]
         self.folders = Path(work) / f"supernode-{index}-home", Path(work) / "logs"
         self.any_port, self.port = port is None, port or free_port()
-        super().__init__(f"supernode-{index}", [*self.argv, "--port", str(self.port)], *self.folders)
+        try:
+            super().__init__(f"supernode-{index}", [*self.argv, "--port", str(self.port)], *self.folders)
+        except BaseException:
+            self.gate.stop()
+            raise
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         for attempt in range(3):
@@ -226,3 +255,30 @@ class SuperNode(Process):
                     raise
             self.port = free_port()
             super().__init__(self.name, [*self.argv, "--port", str(self.port)], *self.folders)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        super().stop(timeout_s)
+        self.gate.stop()
+
+    def gave_up(self) -> bool:
+        """Whether it stopped reaching the server (the federation ended, or its server is gone): Flower's SuperNode
+        then logs that it gives up, but its process and the ones it started stay."""
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            return b"Giving up reconnection" in f.read()
+
+    def refusal(self) -> str:
+        """Why this SuperNode could not join, in one line, from its log and its gate's."""
+        said = self.gate.refusal()
+        if said is not None:
+            return said
+        with open(self.log, "rb") as f:
+            f.seek(self.since)
+            text = f.read().decode(errors="replace")
+        if "No SuperNode found with the given public key" in text:
+            return "the job did not register this key: check that --key is the client-N.key the job's owner sent"
+        if "400" in text or "Bad Request" in text:
+            return "its gate refused this site's certificate: use the client-N.crt the job's owner made for --key"
+        if "403" in text:
+            return "the address answers, but not as a federation's Fleet API: check --superlink"
+        return f"see {self.log} and {self.gate.error_log}"

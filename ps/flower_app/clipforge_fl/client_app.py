@@ -17,7 +17,8 @@ def client(context):
 
 
 def maybe_clip(message, context, call_next):
-    """Flower's fixedclipping_mod (clip the update) when the run asks for client-level DP."""
+    """Flower's fixedclipping_mod (clip the update) when the run asks for client-level DP under SecAgg+, where the
+    server sees only the sum (otherwise the server clips each update itself)."""
     if bool(context.run_config.get("dp", False)):
         return fixedclipping_mod(message, context, call_next)
     return call_next(message, context)
