@@ -48,6 +48,7 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
 import dataclasses
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -294,7 +295,7 @@ def plan(cfg: Config, start: Path | None = None, nodes: dict[str, int] | None = 
         secagg_clipping_range=cfg.secagg_clipping_range,
         secagg_quantization_range=cfg.secagg_quantization_range,
         secagg_may_drop=cfg.secagg_may_drop,
-        # The largest assigned share bounds every example count (a client's claim above it is clipped to it).
+        # SecAgg+ scales each update by its count over this before quantising: the largest assigned share.
         secagg_max_weight=max(shares),
         start_weights=None if start is None else str(start.resolve()),
         start_source=None if cfg.model.weights is None else str(cfg.model.weights),
@@ -348,9 +349,13 @@ def main(cfg: Config) -> dict | None:
     announce_budget(cfg)
     started = time.monotonic()
     if env.world_size == 1:  # the server and every client in this task
-        if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists():
-            certs.make_certs(cfg.keys, cfg.clients)
-        superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
+        if cfg.outside:  # sites elsewhere reach the gate at this host's name
+            ensure_certs(cfg, socket.gethostname())
+            superlink = SuperLink(cfg.keys, cfg.port or free_port(), work, listen="0.0.0.0")
+        else:
+            if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists():
+                certs.make_certs(cfg.keys, cfg.clients)
+            superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
         address = superlink.fleet_address
     else:  # this task serves; the other tasks, on whichever nodes Slurm gave them, are the clients
         ensure_certs(cfg, env.master_addr)
@@ -380,7 +385,7 @@ def main(cfg: Config) -> dict | None:
                 "waiting for %d clients from other sites: each runs `clipforge fl join --superlink %s --ca ca.crt "
                 "--key client-N.key --cert client-N.crt --data.store ...` with its own keys (N: %s)",
                 cfg.outside,
-                address,
+                address if env.world_size > 1 else f"{socket.gethostname()}:{address.rsplit(':', 1)[1]}",
                 ", ".join(str(i) for i in range(local, cfg.clients)),
             )
         plan_file = plan(cfg, start, registered).write(work / "plan.json")

@@ -202,6 +202,9 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         for name in federations.ONE_ROUND:
             work.start(name, federations.one_round, store, name)
         work.start("killed", federations.killed_after_round_one, store)
+    if "hostile" in needs:
+        for name in federations.HOSTILE:
+            work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:

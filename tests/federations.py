@@ -123,3 +123,99 @@ def non_iid(early: Early, mpiexec: list[str]) -> dict[str, Path]:
     for name, process in started.items():
         assert process.wait(timeout=1800) == 0, (early.root / f"non-iid-{name}.log").read_text()[-3000:]
     return {"store": store, "start": root / "start", **{name: root / name for name in sides}}
+
+
+HOSTILE_DIR = Path(__file__).resolve().parent / "hostile"
+"""A hostile site's Python (its sitecustomize.py poisons the client's trainer as CLIPFORGE_ATTACK says)."""
+HOSTILE_CLIP = 1.0
+"""The clipping norm of the clipped federation: the bound on how far the global model may move in a round."""
+HOSTILE = {
+    # Clients 0 and 1 honest, 2 sends NaN and 3 a flattened update, both joined from outside; a rogue node that
+    # the job did not register (registered on the server's loopback) is online before the round.
+    "refused": (4, ["--outside", "2", "--min-clients", "4"], {2: "nan", 3: "shape"}),
+    # Client-level DP without SecAgg+ (noise too small to matter), DP-SGD on the clients; client 2 sends +1000 on
+    # every weight with 10^9 examples claimed, skips clipping, and claims a sample-level epsilon of 0.
+    "clipped": (
+        3,
+        [
+            "--outside",
+            "1",
+            "--min-clients",
+            "3",
+            "--dp.noise-multiplier",
+            "1e-6",
+            "--dp.clipping-norm",
+            str(HOSTILE_CLIP),
+            "--dp.sample-noise-multiplier",
+            "1.0",
+        ],
+        {2: "huge"},
+    ),  # fmt: skip
+    # Four honest clients and one that sends +1000 (finite, the right shapes: only the aggregation can stop it).
+    "trimmed": (5, ["--outside", "1", "--min-clients", "5", "--aggregation", "trimmed-mean"], {4: "huge"}),
+}
+"""The federations with hostile clients: their clients, flags, and the attack of each client that joins from outside."""
+
+
+def join_argv(run: Path, index: int, store: Path, superlink: str, clients: int) -> list[str]:
+    """``clipforge fl join`` as client ``index`` of the federation in ``run`` (its keys), on share index of clients."""
+    keys = run / "certs"
+    argv = [f"{Path(sys.executable).parent}/clipforge", "fl", "join", "--superlink", superlink]
+    argv += ["--ca", str(keys / "ca.crt"), "--key", str(keys / f"client-{index}.key")]
+    argv += ["--cert", str(keys / f"client-{index}.crt"), "--data.store", str(store)]
+    return [*argv, "--partition", f"{index}/{clients}", "--work", str(run.parent / f"{run.name}-site-{index}")]
+
+
+def wait_for_text(path: Path, text: str, process: subprocess.Popen, timeout_s: float = 1800) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_text(errors="replace")):
+        assert process.poll() is None, f"{process.args[:4]} ended before {text!r}:\n" + path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {text!r} in {path}"
+        time.sleep(0.5)
+
+
+def rogue_node(early: Early, run: Path) -> Path:
+    """A SuperNode the job did not register: an insider on the server's host registers its own key through the
+    SuperLink's loopback address (the gate would refuse it) and connects there. Its log, once it is online."""
+    from clipforge.hpc.distenv import free_port
+    from clipforge.ps import certs
+
+    keys = early.root / "rogue-keys"
+    certs.make_certs(keys, 1)
+    home = run / "flower" / "cli-home"  # the job's own CLI configuration: the SuperLink's loopback address
+    flwr = Path(sys.executable).parent / "flwr"
+    env = dict(early.env, FLWR_HOME=str(home))
+    public = certs.client_public_key(keys, 0)
+    subprocess.run([str(flwr), "supernode", "register", str(public), "federation"], env=env, check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    address = next(line.split('"')[1] for line in (home / "config.toml").read_text().splitlines() if "address" in line)
+    argv = [f"{Path(sys.executable).parent}/flower-supernode", "--superlink", address]
+    argv += ["--root-certificates", str(run / "certs" / "ca.crt"), "--auth-supernode-private-key"]
+    argv += [str(certs.client_key(keys, 0)), "--node-config", 'store="unused"', "--port", str(free_port())]
+    process = early.process("refused-rogue", argv, dict(early.env, FLWR_HOME=str(early.root / "rogue-home")))
+    wait_for_text(early.root / "refused-rogue.log", "SuperNode ID", process, timeout_s=300)
+    return early.root / "refused-rogue.log"
+
+
+def hostile(early: Early, store: Path, name: str) -> Path:
+    """The ``name`` federation of :data:`HOSTILE`, one round: its run directory once it ended well."""
+    from clipforge.hpc.distenv import free_port
+
+    clients, flags, attacks = HOSTILE[name]
+    run, port = early.root / name, free_port()
+    argv = federation_argv(store, run, "--rounds", "1", "--port", str(port), *flags, clients=clients)
+    process = early.process(name, argv)
+    wait_for_text(early.root / f"{name}.log", "clients from other sites", process)
+    if name == "refused":
+        rogue_node(early, run)
+    sites = []
+    for index, attack in attacks.items():
+        env = dict(early.env, PYTHONPATH=str(HOSTILE_DIR), CLIPFORGE_ATTACK=attack)
+        sites.append(early.process(f"{name}-site-{index}", join_argv(run, index, store, f"127.0.0.1:{port}", clients),
+                                   env))  # fmt: skip
+    try:
+        assert process.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
+    finally:
+        for site in sites:
+            kill_tree(site.pid)
+    return run

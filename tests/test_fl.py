@@ -22,7 +22,17 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
 from clipforge.ps.flower import SuperLink, SuperNode
 
-from .federations import DP_CLIP, DP_SIGMA, NON_IID_EPOCHS, NON_IID_LR, NON_IID_MU, ONE_ROUND, START_SEED
+from .federations import (
+    DP_CLIP,
+    DP_SIGMA,
+    HOSTILE,
+    HOSTILE_CLIP,
+    NON_IID_EPOCHS,
+    NON_IID_LR,
+    NON_IID_MU,
+    ONE_ROUND,
+    START_SEED,
+)
 from .federations import FL_TINY as TINY
 from .helpers import tiny_start
 
@@ -31,6 +41,102 @@ from .helpers import tiny_start
 def one_round(early) -> dict[str, Path]:
     """One round of each variant (federations.ONE_ROUND), run while the rest of the suite ran."""
     return {name: early.result(name) for name in ONE_ROUND}
+
+
+@pytest.fixture(scope="module")
+def hostile(early) -> dict[str, Path]:
+    """One round of each federation with hostile clients (federations.HOSTILE), run while the rest of the suite ran."""
+    return {name: early.result(f"hostile-{name}") for name in HOSTILE}
+
+
+def honest_updates(run: Path, clients: list[int], parts: int) -> tuple[dict[str, torch.Tensor], list]:
+    """The round's start and the answers of honest ``clients`` (of ``parts`` iid shares) to round 1, computed here
+    as their SuperNodes computed them, with the threads each of the federation's client processes had."""
+    from clipforge.ps.federated import FederatedPlan, _Client, round_config
+
+    plan = FederatedPlan.read(run / "flower" / "plan.json")
+    store = ClipStore.open(Path(plan.store))
+    start = architecture(plan.model, 6, 8, 32, **plan.overrides).build(seed=plan.seed).state_dict()
+    config = round_config(plan, store, 1)
+    node = {"store": plan.store, "num-partitions": parts, "partition": "iid", "seed": plan.seed}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // parts)))
+    try:
+        answers = [
+            _Client({**node, "partition-id": i}).fit([v.numpy() for v in start.values()], config) for i in clients
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    return start, answers
+
+
+def run_log(run: Path) -> str:
+    return "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
+
+
+def test_nan_and_misshapen_updates_are_refused_and_the_round_is_fedavg_of_the_honest_clients(hostile) -> None:
+    run = hostile["refused"]
+    logs = run_log(run)
+    # The rogue node (registered on the server's loopback, online before the round) was never sampled.
+    assert "sampled 4 clients (out of 4)" in logs, logs[-3000:]
+    rogue = (run.parent / "refused-rogue.log").read_text(errors="replace")
+    assert "SuperNode ID" in rogue and "Received" not in rogue, rogue[-2000:]
+    assert "the update of client 2 (node" in logs and "values that are not finite" in logs, logs[-3000:]
+    assert "the update of client 3 (node" in logs and "1 arrays where the model has" in logs, logs[-3000:]
+    row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
+    assert sorted(row["refused"]) == [2, 3]
+    start, answers = honest_updates(run, [0, 1], 4)
+    total = sum(n for _, n, _ in answers)
+    fedavg = {k: sum(w[j] * n for w, n, _ in answers) / total for j, k in enumerate(start)}
+    final = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.isfinite(final[k]).all() for k in final)
+    for k in fedavg:
+        assert torch.allclose(final[k], torch.from_numpy(np.asarray(fedavg[k])), rtol=1e-5, atol=1e-6), k
+
+
+def test_without_secagg_the_server_clips_a_huge_update_and_its_claims_count_for_nothing(hostile) -> None:
+    from clipforge.ps import dpsgd, privacy
+    from clipforge.ps.federated import FederatedPlan
+
+    run = hostile["clipped"]
+    start = tiny_start().state_dict()
+    final = load_file(str(run / "final" / "model.safetensors"))
+    moved = torch.cat([(final[k] - start[k]).flatten() for k in start]).norm().item()
+    # Every update is clipped to the norm, so their mean moves at most that far; the noise (1e-6 clipping norms a
+    # weight, over 3 clients) adds at most about 1e-3 of it. Unclipped, the +1000 client alone would move it 3e5.
+    assert 0 < moved <= HOSTILE_CLIP * 1.001, moved
+    logs = run_log(run)
+    assert "claims 1000000000 examples" in logs, logs[-3000:]
+    # The epsilons are the server's: from the noise it applied and the shares it assigned, not the client's 0.
+    plan = FederatedPlan.read(run / "flower" / "plan.json")
+    row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
+    spent = max(dpsgd.share_epsilon(1.0, int(n), 4, 1, plan.dp_delta) for n in plan.examples)
+    assert row["sample_epsilon"] == spent > 0 and row["epsilon"] == privacy.epsilon(1e-6, 1.0, 1, plan.dp_delta)
+    record = json.loads((run / "final" / "run.json").read_text())["federated"]
+    assert record["sample_differential_privacy"]["epsilon"] == spent
+    assert record["differential_privacy"]["clipping"] == "on the server"
+
+
+def test_a_trimmed_mean_keeps_every_weight_within_the_honest_clients_range(hostile) -> None:
+    run = hostile["trimmed"]
+    start, answers = honest_updates(run, [0, 1, 2, 3], 5)
+    final = load_file(str(run / "final" / "model.safetensors"))
+    assert "is refused" not in run_log(run)  # +1000 is finite and well shaped: only the aggregation stops it
+    spread, distance = [], []
+    total = sum(n for _, n, _ in answers)
+    for j, k in enumerate(start):
+        honest = torch.stack([torch.from_numpy(np.asarray(w[j])) for w, _, _ in answers]).double()
+        fedavg = sum(torch.from_numpy(np.asarray(w[j])).double() * n for w, n, _ in answers) / total
+        low, high = honest.min(0).values, honest.max(0).values
+        value = final[k].double()
+        # The stated bound: each weight lies within the honest clients' values for it (the hostile one is cut at the
+        # top of every weight), so it is within their spread of the honest FedAvg.
+        assert ((value >= low - 1e-6) & (value <= high + 1e-6)).all(), k
+        spread.append((high - low).flatten())
+        distance.append((value - fedavg).flatten())
+    assert torch.cat(distance).norm() <= torch.cat(spread).norm()
+    record = json.loads((run / "final" / "run.json").read_text())["federated"]
+    assert record["aggregation_rule"] == "trimmed-mean"
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ answers each fit with the attack that CLIPFORGE_ATTACK names, as a site that con
 
 - ``nan``: its weights, every value NaN;
 - ``shape``: its weights flattened into one array;
-- ``huge``: every weight +1000, and a claim of 10^9 examples (and no clipping: under DP the server clips);
-- ``epsilon``: honest weights with a claimed sample-level epsilon of 0.
+- ``huge``: every weight +1000, a claim of 10^9 examples and of a sample-level epsilon of 0 (and no clipping:
+  without SecAgg+ the server clips).
 
 The trainer is patched when Flower's ClientApp process imports clipforge.ps.federated (it inherits this
 environment), so the SuperNode, its gate and the federation's protocol are the real ones.
@@ -31,9 +31,7 @@ def _poison(module) -> None:
         if ATTACK == "shape":
             return [np.concatenate([w.ravel().astype(np.float32) for w in weights])], examples, metrics
         if ATTACK == "huge":
-            return [w + 1000 if w.dtype.kind == "f" else w for w in weights], 10**9, metrics
-        if ATTACK == "epsilon":
-            return weights, examples, {**metrics, "sample_epsilon": 0.0}
+            return [w + 1000 if w.dtype.kind == "f" else w for w in weights], 10**9, {**metrics, "sample_epsilon": 0.0}
         return weights, examples, metrics
 
     module._Client.fit = fit
