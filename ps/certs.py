@@ -15,6 +15,7 @@ with the default mode is readable by every user of the host until its chmod.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -53,12 +54,15 @@ def write_secret(path: Path, data: bytes) -> None:
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.close(fd)
         os.replace(tmp, path)
     except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
 

@@ -275,10 +275,10 @@ class SuperNode(Process):
         with open(self.log, "rb") as f:
             f.seek(self.since)
             text = f.read().decode(errors="replace")
-        if "No SuperNode found with the given public key" in text:
-            return "the job did not register this key: check that --key is the client-N.key the job's owner sent"
-        if "400" in text or "Bad Request" in text:
-            return "its gate refused this site's certificate: use the client-N.crt the job's owner made for --key"
-        if "403" in text:
+        if "Status/400" in text or "400 Bad Request" in text:
+            return "the server's gate refused this site's certificate: use the client-N.crt the job's owner made"
+        if "Status/403" in text:
             return "the address answers, but not as a federation's Fleet API: check --superlink"
+        if "No SuperNode found with the given public key" in text or "Failed to activate SuperNode" in text:
+            return "the job did not register this key: check that --key is the client-N.key the job's owner sent"
         return f"see {self.log} and {self.gate.error_log}"

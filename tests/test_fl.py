@@ -20,7 +20,7 @@ from clipforge.hpc.distenv import free_port
 from clipforge.models.builders import architecture, create_model, load_weights
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs
-from clipforge.ps.flower import SuperLink, SuperNode
+from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
 
 from .federations import (
     DP_CLIP,
@@ -216,33 +216,116 @@ def test_secagg_plus_gives_fedavg_of_the_clients_that_stayed_within_its_quantisa
     assert 0 < worst <= bound + 4 * float(np.finfo(np.float32).eps) * largest, (worst, bound)
 
 
-def test_only_registered_supernodes_that_trust_the_federations_ca_join(tmp_path: Path) -> None:
+def test_outsiders_reach_only_the_fleet_api_and_only_with_a_certificate_of_the_federations_ca(tmp_path: Path) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
     keys, other = tmp_path / "keys", tmp_path / "other-ca"
-    certs.make_certs(keys, 2)
+    certs.make_certs(keys, 3)
     certs.make_certs(other, 1)
     superlink = SuperLink(keys, free_port(), tmp_path / "flower")
     nodes = []
     try:
-        superlink.register(certs.client_public_key(keys, 0))
+        honest = [superlink.register(certs.client_public_key(keys, i)) for i in range(2)]
         config = {"store": "unused", "partition-id": 0}
-        known = SuperNode(0, certs.client_key(keys, 0), keys / certs.CA_CERT, superlink.address, config, None, tmp_path)
-        unknown = SuperNode(
-            1, certs.client_key(keys, 1), keys / certs.CA_CERT, superlink.address, config, None, tmp_path
+
+        def node(index: int, folder: Path, client: int, ca: Path) -> SuperNode:
+            key, cert = certs.client_key(folder, client), certs.client_cert(folder, client)
+            nodes.append(SuperNode(index, key, cert, ca, superlink.fleet_address, config, None, tmp_path))
+            return nodes[-1]
+
+        for i in range(2):
+            node(i, keys, i, keys / certs.CA_CERT).wait_ready()
+        unknown = node(2, keys, 2, keys / certs.CA_CERT)  # a certificate of the CA, a key the job did not register
+        foreign = node(3, other, 0, keys / certs.CA_CERT)  # another CA's certificate and key
+        trusting_other = node(4, keys, 0, other / certs.CA_CERT)  # would trust another CA's server
+        for refused in (unknown, foreign, trusting_other):
+            with pytest.raises(FlowerError):
+                refused.wait_ready(timeout_s=60)
+        assert "did not register this key" in unknown.refusal()
+        assert "refused this site's certificate" in foreign.refusal(), foreign.log.read_text()[-2000:]
+        assert "not signed by the CA given" in trusting_other.refusal()
+        # The job's own port, played by an outsider with Flower's CLI: register a foreign key, run another app,
+        # drop an honest node. Each is refused before the SuperLink (no client certificate), nothing changed.
+        home = tmp_path / "outsider"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            '[superlink]\ndefault = "f"\n\n[superlink.f]\n'
+            f'address = "{superlink.fleet_address}"\nroot-certificates = "{keys / certs.CA_CERT}"\n'
         )
-        stranger = SuperNode(
-            2, certs.client_key(keys, 0), other / certs.CA_CERT, superlink.address, config, None, tmp_path
-        )
-        nodes = [known, unknown, stranger]
-        known.wait_ready()
-        assert unknown.process.wait(timeout=120) != 0 and stranger.process.wait(timeout=120) != 0
-        assert known.process.poll() is None  # the registered one stays in the federation
-        refused = superlink.refusals()
-        assert len(refused) == 1 and "No SuperNode found with the given public key" in refused[0], refused
-        assert "CERTIFICATE_VERIFY_FAILED" in stranger.log.read_text()  # it would not trust another CA's server
+        env = dict(os.environ, FLWR_HOME=str(home))
+        flwr = str(Path(sys.executable).parent / "flwr")
+        attempts = [
+            ["supernode", "register", str(certs.client_public_key(other, 0)), "f"],
+            ["run", str(Path(__file__).parent / "hostile"), "f"],
+            ["supernode", "unregister", str(honest[0]), "f"],
+        ]
+        for argv in attempts:
+            result = subprocess.run([flwr, *argv], env=env, capture_output=True, text=True, timeout=120)
+            assert result.returncode != 0 or "success" not in result.stdout.lower(), (argv, result.stdout)
+        # The same Control API paths with a valid client certificate (a partner turned outsider): 403 at the gate.
+        context = ssl.create_default_context(cafile=str(keys / certs.CA_CERT))
+        pem = tmp_path / "partner.pem"
+        certs.write_secret(pem, certs.tls_key_pem(certs.client_key(keys, 0)))
+        context.load_cert_chain(str(certs.client_cert(keys, 0)), str(pem))
+        port = superlink.fleet_address.rsplit(":", 1)[1]
+        for path in ("/v1/control/register-node", "/v1/control/start-run", "/v1/control/unregister-node", "/docs"):
+            request = urllib.request.Request(f"https://localhost:{port}{path}", data=b"", method="POST")
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(request, context=context, timeout=30)
+        # Without a client certificate, or with another CA's, the gate's TLS refuses it (nginx answers 400).
+        bare = ssl.create_default_context(cafile=str(keys / certs.CA_CERT))
+        for context in (bare, _context_with(other, keys, tmp_path)):
+            request = urllib.request.Request(f"https://localhost:{port}/v1/fleet/pull-messages", data=b"")
+            with pytest.raises(urllib.error.HTTPError, match="400"):
+                urllib.request.urlopen(request, context=context, timeout=30)
+        listed = json.loads(superlink.cli("supernode", "list", "federation", "--format", "json"))
+        ids = sorted(int(n["node-id"]) for n in listed["nodes"])
+        assert ids == sorted(honest), listed  # no foreign key registered, no honest node dropped
+        assert all(n.process.poll() is None for n in nodes[:2])  # the honest ones stay in the federation
+        served = (tmp_path / "flower" / "gate" / "access.log").read_text()
+        assert " 403 " in served and " 400 " in served and "/v1/control/" in served
     finally:
-        for node in nodes:
-            node.stop()
+        for each in nodes:
+            each.stop()
         superlink.stop()
+
+
+def _context_with(folder: Path, keys: Path, tmp_path: Path):
+    """A TLS client context that trusts the federation's CA and shows client 0's certificate of ``folder``."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(keys / certs.CA_CERT))
+    pem = tmp_path / f"{folder.name}.pem"
+    certs.write_secret(pem, certs.tls_key_pem(certs.client_key(folder, 0)))
+    context.load_cert_chain(str(certs.client_cert(folder, 0)), str(pem))
+    return context
+
+
+def test_private_keys_are_never_readable_by_others_while_they_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes: dict[str, int] = {}
+    write = os.write
+
+    def watched(fd: int, data) -> int:  # every write of every file: its mode at that moment
+        modes[os.readlink(f"/proc/self/fd/{fd}")] = os.fstat(fd).st_mode & 0o777
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", watched)
+    old = os.umask(0o022)
+    try:
+        certs.make_certs(tmp_path, 2)
+    finally:
+        os.umask(old)
+    secrets = [p for p in tmp_path.iterdir() if p.suffix == ".key"]
+    assert sorted(p.name for p in secrets) == ["ca.key", "client-0.key", "client-1.key", "server.key"]
+    written = {Path(path).name: mode for path, mode in modes.items()}
+    for key in secrets:  # written through a temporary file, then moved into place
+        during = [mode for name, mode in written.items() if name.startswith(f".{key.name}.")]
+        assert during == [0o600], (key.name, written)
+        assert key.stat().st_mode & 0o777 == 0o600
 
 
 def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_gets_what(tmp_path: Path) -> None:
@@ -257,7 +340,8 @@ def test_fl_certs_makes_a_ca_a_server_certificate_and_client_keys_and_says_who_g
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
     assert sorted(p.name for p in tmp_path.glob("client-*.key")) == ["client-0.key", "client-1.key", "client-2.key"]
-    assert "client 2 (SuperNode)" in result.stdout and "keep" in result.stdout
+    assert "client 2 (clipforge fl join)" in result.stdout and "keep" in result.stdout
+    assert sorted(p.name for p in tmp_path.glob("client-*.crt")) == ["client-0.crt", "client-1.crt", "client-2.crt"]
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     subprocess.run([*argv, "--clients", "4"], check=True, capture_output=True)  # one more client, the rest kept
     assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
