@@ -572,3 +572,21 @@ def test_dp_sgd_with_a_batchnorm_model_is_refused_in_one_line(tiny_store: Path) 
     argv = ["--data.store", str(tiny_store), "--model.name", "r2plus1d_18", "--dp.sample-noise-multiplier", "1"]
     with pytest.raises(job_config.ConfigError, match="Opacus cannot train it with DP-SGD .BatchNorm.*videovit"):
         fl_train.check(fl_train.parse(argv))
+
+
+def test_a_robust_aggregation_with_secagg_or_dp_and_a_wrong_count_of_client_examples_are_refused(
+    tiny_store: Path,
+) -> None:
+    from clipforge.jobs import config as job_config
+    from clipforge.jobs import fl_train
+
+    base = ["--data.store", str(tiny_store), *TINY, "--aggregation", "median"]
+    for extra in (["--secagg"], ["--dp.noise-multiplier", "1"]):
+        with pytest.raises(job_config.ConfigError, match="--aggregation median needs each update in the clear"):
+            fl_train.check(fl_train.parse([*base, *extra]))
+    wrong = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--clients", "3", "--client-examples", "10", "20"])
+    with pytest.raises(job_config.ConfigError, match="give one positive count per client .3."):
+        fl_train.check(wrong)
+    given = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--client-examples", "10", "30"])
+    fl_train.check(given)
+    assert fl_train.plan(given).examples == [10.0, 30.0]

@@ -238,3 +238,35 @@ def test_a_federation_that_loses_a_node_mid_round_finishes_the_round_with_the_cl
     assert [r["step"] for r in rows(run, "round")] == [1], out[-3000:]
     record = json.loads((run / "final" / "run.json").read_text())
     assert record["steps"] == 1 and record["federated"]["rounds"] == 1, record
+
+
+def test_a_site_on_another_node_joins_a_federation_with_clipforge_fl_join(
+    multinode: LocalCluster, tiny_store: Path, tmp_path: Path
+) -> None:
+    run, port = tmp_path / "run", free_port()
+    # The server and client 0 on n1; client 1 is a site elsewhere: n2, which reaches n1 only through the network.
+    argv = ["sbatch", "--parsable", "-N1", "-w", "n1", "--ntasks-per-node=2", f"--output={tmp_path / 'fl.out'}"]
+    argv += [str(REPO / "jobs" / "fl_train.py"), "--nodes", "1", "--ntasks-per-node", "2", "--port", str(port)]
+    argv += [*options(data__store=tiny_store, run_dir=run, clients=2, outside=1, min_clients=2, rounds=1)]
+    argv += [*TINY_MODEL, "--batch", "4"]
+    env = multinode_env(multinode)
+    job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
+    wait_for(lambda: (run / "flower" / "superlink.json").exists(), "the federation's gate on n1", timeout=300)
+    keys = run / "certs"
+    join = ["srun", "-N1", "-n1", "-w", "n2", f"{sys.prefix}/bin/clipforge", "fl", "join", "--superlink", f"n1:{port}"]
+    join += ["--ca", str(keys / "ca.crt"), "--key", str(keys / "client-1.key"), "--cert", str(keys / "client-1.crt")]
+    join += ["--data.store", str(tiny_store), "--partition", "1/2", "--work", str(tmp_path / "site")]
+    site = subprocess.Popen(join, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for_job(multinode, job, timeout=600)
+        said, _ = site.communicate(timeout=180)  # it stops by itself once the federation's server is gone
+    finally:
+        site.kill()
+    assert "joined the federation at n1:" in said and "is gone" in said, said
+    flower = "".join(p.read_text() for p in (run / "flower" / "logs").glob("run-*.log"))
+    assert "sampled 2 clients (out of 2)" in flower and "received 2 results" in flower, flower[-3000:]
+    assert "is refused" not in flower
+    assert [r["step"] for r in rows(run, "round")] == [1], (tmp_path / "fl.out").read_text()[-3000:]
+    # The site's SuperNode spoke only to its own gate, which reached n1's gate with the site's certificate.
+    served = (run / "flower" / "gate" / "access.log").read_text()
+    assert "10.77.0.12 " in served and 'client="CN=client-1"' in served, served[-2000:]  # n2's address

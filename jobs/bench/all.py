@@ -39,6 +39,11 @@ BENCHMARKS = [
     ("Registry: push, pull, list", "clipforge.jobs.bench.registry", []),
     ("Parameter server: sync, SSP, async with a straggler", "clipforge.jobs.bench.ps", []),
     ("Federated training on Flower: FedAvg, bf16, SecAgg+, DP; accuracy at a budget", "clipforge.jobs.bench.fl", []),
+    (
+        "Federated aggregation rules: FedAvg, trimmed mean, median, Krum",
+        "clipforge.jobs.bench.fl",
+        ["--parts", "robust"],
+    ),
     ("Pretraining: masked autoencoding beside fine-tuning, and few labels", "clipforge.jobs.bench.pretrain", []),
     ("Nodes: one node against three, and a node lost", "clipforge.jobs.bench.nodes", []),
 ]
@@ -52,6 +57,8 @@ class Config:
     """Where the report goes."""
     gpu: bool = False
     """On a machine with accelerators: also train VideoViT-B at bf16 (16x224x224) on every GPU and report MFU."""
+    only: str | None = None
+    """Run only the section whose title starts with this, and replace that section in --out (the rest is kept)."""
 
 
 def machine() -> str:
@@ -90,6 +97,10 @@ def main(cfg: Config) -> None:
         "",
     ]
     benchmarks = list(BENCHMARKS)
+    if cfg.only is not None:
+        benchmarks = [b for b in BENCHMARKS if b[0].startswith(cfg.only)]
+        if len(benchmarks) != 1:
+            raise SystemExit(f"bench_all: --only {cfg.only!r} names {len(benchmarks)} sections; give a title's start")
     if cfg.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("bench_all: --gpu needs a CUDA device, and torch sees none")
@@ -127,6 +138,10 @@ def main(cfg: Config) -> None:
             "",
         ]
         print(body, flush=True)
+    if cfg.only is not None:
+        cfg.out.write_text(replace_section(cfg.out.read_text() if cfg.out.exists() else "", sections[8:]))
+        print(f"\nwritten to {cfg.out}", file=sys.stderr)
+        return
     if not cfg.gpu:
         sections += [
             "## GPU",
@@ -138,6 +153,17 @@ def main(cfg: Config) -> None:
         ]
     cfg.out.write_text("\n".join(sections))
     print(f"\nwritten to {cfg.out}", file=sys.stderr)
+
+
+def replace_section(report: str, section: list[str]) -> str:
+    """``report`` with the section of the same ``## title`` as ``section`` replaced by it (appended if new)."""
+    title = section[0]
+    lines = report.splitlines()
+    if title not in lines:
+        return "\n".join([*lines, "", *section]) if lines else "\n".join(section)
+    start = lines.index(title)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join([*lines[:start], *section, *lines[end:]])
 
 
 if __name__ == "__main__":
