@@ -42,7 +42,7 @@ BENCHMARKS = [
     (
         "Federated aggregation rules: FedAvg, trimmed mean, median, Krum",
         "clipforge.jobs.bench.fl",
-        ["--parts", "robust"],
+        ["--parts", "robust", "--robust-rounds", "3", "--accuracy-videos-per-class", "10"],
     ),
     ("Pretraining: masked autoencoding beside fine-tuning, and few labels", "clipforge.jobs.bench.pretrain", []),
     ("Nodes: one node against three, and a node lost", "clipforge.jobs.bench.nodes", []),
