@@ -14,18 +14,11 @@
 
 With one task per client plus one (--nodes, --ntasks-per-node), the first task
 runs the SuperLink and the ServerApp, serving TLS on its node at the job's port,
-and each other task runs one client's SuperNode, wherever Slurm put it. The job
-outlives a lost node (its step runs with srun --no-kill; give sbatch --no-kill
-too): a round waits --round-timeout-s for the clients there, then goes on with
-those that answered, as long as --min-clients did.
+and each other task runs one client's SuperNode, wherever Slurm put it; a lost
+node's clients are left out of the round after --round-timeout-s.
 
-The server is Flower's SuperLink on loopback behind a gate (nginx) that
-admits only clients with a certificate from the federation's CA and forwards
-only the Fleet API; only clients whose keys the job registered join, and only
-they are sampled. The server checks every update (arrays, shapes, finite
-values), weighs it by the share the job assigned, and clips it itself for
-differential privacy unless SecAgg+ hides it. Each client is a SuperNode with
-its own key, training on its own share of a store (--shares iid or by_class);
+The server is Flower's SuperLink behind a gate (mutual TLS, the Fleet API only);
+it checks and weighs every update itself (docs/federated.md has the threat model);
 with --outside N the last N clients are sites elsewhere that join with
 `clipforge fl join`. The run directory is the one every run writes:
 config, a metrics row per round, the global model after each round (a killed
@@ -46,7 +39,6 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
         )
 
 import dataclasses
-import json
 import logging
 import socket
 import time
@@ -66,7 +58,7 @@ from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs, dpsgd, guard, privacy
 from clipforge.ps.federated import HEARTBEAT, FederatedPlan
-from clipforge.ps.flower import FlowerError, SuperLink, SuperNode
+from clipforge.ps.flower import FlowerError, SuperLink, SuperNode, note, wait_note
 from clipforge.ps.worker import DATA_READ, partition
 from clipforge.rundir import RunDir
 
@@ -80,18 +72,13 @@ class Config:
     run_dir: Path = Path("runs/fl")
     """Where config, metrics per round, the global model of each round and the final weights go."""
     clients: int = 2
-    """Clients in the federation: the job registers a key for each and starts a SuperNode for each but the
-    --outside ones (on Slurm: one per task after the server's)."""
+    """Clients in the federation: a key registered for each, a SuperNode for each but --outside's."""
     outside: int = 0
-    """The last N clients are sites elsewhere, which join with `clipforge fl join` (the job starts no SuperNode
-    for them)."""
+    """The last N clients are sites elsewhere, which join with `clipforge fl join`."""
     client_examples: tuple[float, ...] | None = None
-    """The examples each client's update weighs by, one per client; default: its share of --data.store's training
-    clips (what clients claim is ignored). Give it when outside sites train on data of their own."""
+    """The examples each client's update weighs by (default: its share of the store; claims are ignored)."""
     aggregation: guard.Aggregation = "fedavg"
-    """How the server combines the checked updates: fedavg (weighted mean), or, for clients that may be hostile,
-    trimmed-mean (per weight, without the top and bottom 20%), median (per weight) or krum (the update nearest
-    the others). Not with --secagg (the server sees only the sum) or --dp.* (the noise is calibrated to a mean)."""
+    """How the server combines the checked updates: fedavg, or for hostile clients trimmed-mean, median or krum."""
     rounds: int = 5
     """Federated rounds."""
     min_clients: int | None = None
@@ -350,7 +337,7 @@ def main(cfg: Config) -> dict | None:
     started = time.monotonic()
     if env.world_size == 1:  # the server and every client in this task
         if cfg.outside:  # sites elsewhere reach the gate at this host's name
-            ensure_certs(cfg, socket.gethostname())
+            certs.ensure(cfg.keys, cfg.clients, socket.gethostname())
             superlink = SuperLink(cfg.keys, cfg.port or free_port(), work, listen="0.0.0.0")
         else:
             if not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists():
@@ -358,7 +345,7 @@ def main(cfg: Config) -> dict | None:
             superlink = SuperLink(cfg.keys, cfg.port or free_port(), work)
         address = superlink.fleet_address
     else:  # this task serves; the other tasks, on whichever nodes Slurm gave them, are the clients
-        ensure_certs(cfg, env.master_addr)
+        certs.ensure(cfg.keys, cfg.clients, env.master_addr)
         superlink = SuperLink(cfg.keys, cfg.port or env.master_port, work, listen="0.0.0.0")
         address = f"{env.master_addr}:{cfg.port or env.master_port}"
     nodes: list[SuperNode] = []
@@ -378,15 +365,12 @@ def main(cfg: Config) -> dict | None:
                 node.wait_ready()
             log.info("gate at %s (mutual TLS) with %d authenticated SuperNodes of this job", address, len(nodes))
         else:
-            _signal(work, "superlink", env.job_id, env.restart_count, address)
+            note(work, "superlink", env.job_id, env.restart_count, address)
             log.info("gate at %s (mutual TLS); %d client tasks join it", address, local)
         if cfg.outside:
+            there = address if env.world_size > 1 else f"{socket.gethostname()}:{address.rsplit(':', 1)[1]}"
             log.info(
-                "waiting for %d clients from other sites: each runs `clipforge fl join --superlink %s --ca ca.crt "
-                "--key client-N.key --cert client-N.crt --data.store ...` with its own keys (N: %s)",
-                cfg.outside,
-                address if env.world_size > 1 else f"{socket.gethostname()}:{address.rsplit(':', 1)[1]}",
-                ", ".join(str(i) for i in range(local, cfg.clients)),
+                "waiting for %d clients from other sites: `clipforge fl join --superlink %s ...`", cfg.outside, there
             )
         plan_file = plan(cfg, start, registered).write(work / "plan.json")
         # The clients clip their updates only under SecAgg+, where the server cannot: otherwise the server does.
@@ -395,7 +379,7 @@ def main(cfg: Config) -> dict | None:
         run_id, status = superlink.run(run_config, 600, run.root / HEARTBEAT)
     finally:
         if env.world_size > 1:
-            _signal(work, "finished", env.job_id, env.restart_count, status)
+            note(work, "finished", env.job_id, env.restart_count, status)
         for node in nodes:
             node.stop()
         superlink.stop()
@@ -438,44 +422,10 @@ def announce_budget(cfg: Config) -> None:
         )
 
 
-def ensure_certs(cfg: Config, host: str) -> None:
-    """Keys for every client and a server certificate valid for ``host``, the node the clients reach."""
-    hosts = ("localhost", "127.0.0.1", host)
-    missing = not (cfg.keys / certs.CA_CERT).exists() or not certs.client_cert(cfg.keys, cfg.clients - 1).exists()
-    if missing or not set(hosts) <= certs.server_hosts(cfg.keys):
-        if (cfg.keys / certs.CA_CERT).exists() and not (cfg.keys / certs.CA_KEY).exists():
-            raise FlowerError(
-                f"the server certificate in {cfg.keys} is not valid for {host}, where this job's server runs, and "
-                f"the CA key is not there to make one: run `clipforge fl certs {cfg.keys} --host {host}` where it is"
-            )
-        certs.make_certs(cfg.keys, cfg.clients, hosts)
-
-
-def _signal(work: Path, name: str, job: str | None, restarts: int, value: str) -> None:
-    """A note on the shared file system from the server task to the client tasks of the same job start."""
-    tmp = work / f".{name}.json.tmp"
-    tmp.write_text(json.dumps({"job": job, "restarts": restarts, "value": value}))
-    tmp.replace(work / f"{name}.json")
-
-
-def _wait_signal(work: Path, name: str, job: str | None, restarts: int, timeout_s: float | None) -> str | None:
-    """The value of the server task's note ``name`` for this job start, once it is there (None after the timeout)."""
-    path, deadline = work / f"{name}.json", None if timeout_s is None else time.monotonic() + timeout_s
-    while deadline is None or time.monotonic() < deadline:
-        try:
-            note = json.loads(path.read_text())
-            if note["job"] == job and note["restarts"] == restarts:
-                return str(note["value"])
-        except (OSError, ValueError, KeyError):
-            pass  # not written yet, or a previous job's
-        time.sleep(0.5)
-    return None
-
-
 def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None:
     """A Slurm task that is client ``index``: one SuperNode that joins the job's SuperLink and trains until it ends."""
     work = Path(cfg.run_dir) / "flower"
-    address = _wait_signal(work, "superlink", job, restarts, timeout_s=600)
+    address = wait_note(work, "superlink", job, restarts, timeout_s=600)
     if address is None:
         raise FlowerError(f"client {index}: the server task did not start its SuperLink within 600 s; see its log")
     key, cert = certs.client_key(cfg.keys, index), certs.client_cert(cfg.keys, index)
@@ -485,7 +435,7 @@ def client_task(cfg: Config, index: int, job: str | None, restarts: int) -> None
         node.wait_ready()
         log.info("client %d: SuperNode joined %s", index, address)
         while finished is None and node.process.poll() is None:
-            finished = _wait_signal(work, "finished", job, restarts, timeout_s=2.0)
+            finished = wait_note(work, "finished", job, restarts, timeout_s=2.0)
     finally:
         node.stop()
     if finished is None:

@@ -221,6 +221,19 @@ def loopback_certificate(folder: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
+def ensure(folder: Path, clients: int, host: str) -> None:
+    """Keys for every client and a server certificate valid for ``host``, the node the clients reach."""
+    hosts = ("localhost", "127.0.0.1", host)
+    missing = not (Path(folder) / CA_CERT).exists() or not client_cert(folder, clients - 1).exists()
+    if missing or not set(hosts) <= server_hosts(folder):
+        if (Path(folder) / CA_CERT).exists() and not (Path(folder) / CA_KEY).exists():
+            raise CertError(
+                f"the server certificate in {folder} is not valid for {host}, where this job's server runs, and "
+                f"the CA key is not there to make one: run `clipforge fl certs {folder} --host {host}` where it is"
+            )
+        make_certs(folder, clients, hosts)
+
+
 def server_hosts(folder: Path) -> set[str]:
     """The names and addresses the server's certificate in ``folder`` is valid for (none without one)."""
     from cryptography import x509

@@ -282,3 +282,24 @@ class SuperNode(Process):
         if "No SuperNode found with the given public key" in text or "Failed to activate SuperNode" in text:
             return "the job did not register this key: check that --key is the client-N.key the job's owner sent"
         return f"see {self.log} and {self.gate.error_log}"
+
+
+def note(work: Path, name: str, job: str | None, restarts: int, value: str) -> None:
+    """A note on the shared file system from the server task to the client tasks of the same job start."""
+    tmp = work / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"job": job, "restarts": restarts, "value": value}))
+    tmp.replace(work / f"{name}.json")
+
+
+def wait_note(work: Path, name: str, job: str | None, restarts: int, timeout_s: float | None) -> str | None:
+    """The value of the server task's note ``name`` for this job start, once it is there (None after the timeout)."""
+    path, deadline = work / f"{name}.json", None if timeout_s is None else time.monotonic() + timeout_s
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            note = json.loads(path.read_text())
+            if note["job"] == job and note["restarts"] == restarts:
+                return str(note["value"])
+        except (OSError, ValueError, KeyError):
+            pass  # not written yet, or a previous job's
+        time.sleep(0.5)
+    return None
