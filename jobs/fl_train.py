@@ -59,6 +59,7 @@ from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs, dpsgd, guard, privacy
 from clipforge.ps.federated import HEARTBEAT, FederatedPlan
 from clipforge.ps.flower import FlowerError, SuperLink, SuperNode, note, wait_note
+from clipforge.ps.gate import stop_all
 from clipforge.ps.worker import DATA_READ, partition
 from clipforge.rundir import RunDir
 
@@ -380,9 +381,7 @@ def main(cfg: Config) -> dict | None:
     finally:
         if env.world_size > 1:
             note(work, "finished", env.job_id, env.restart_count, status)
-        for node in nodes:
-            node.stop()
-        superlink.stop()
+        stop_all([*nodes, superlink])
     if status != "finished:completed":
         raise FlowerError(f"federated run {run_id} ended {status}; its log: {work / 'logs' / f'run-{run_id}.log'}")
     record = run.record()

@@ -161,8 +161,6 @@ def serve(grid, context) -> None:
 
     refused: dict[int, list[str]] = {}
     """The nodes whose updates the checks refused, by round (:mod:`guard`)."""
-    # Under client-level DP every update weighs the same: the noise is calibrated to a plain mean of clipped updates.
-    weights = [1.0] * plan.clients if plan.dp_noise_multiplier > 0 else [float(n) for n in plan.examples]
 
     def after_round(server_round: int, arrays: list[np.ndarray], config: dict) -> tuple[float, dict] | None:
         if server_round == 0:
@@ -231,7 +229,11 @@ def serve(grid, context) -> None:
                 round_start[0] = arrays
             return round_start[0]
 
-        strategy = guard.checked(strategy, start_of_round, plan.nodes, weights, plan.transport, refused)
+        # Under client-level DP every update weighs the same: its noise is calibrated to a mean of clipped updates.
+        equal = plan.dp_noise_multiplier > 0
+        strategy = guard.checked(
+            strategy, start_of_round, plan.nodes, plan.examples, plan.transport, refused, plan.secagg, equal
+        )
         rounds_left = ServerConfig(num_rounds=plan.rounds - done, round_timeout=plan.round_timeout_s)
         legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
         if plan.secagg:

@@ -26,7 +26,7 @@ from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import free_port
 
 from . import certs
-from .gate import ClientGate, FleetGate
+from .gate import ClientGate, FleetGate, Stoppable
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ def wait_for_line(
     raise FlowerError(f"{log_file.stem} was not ready within {timeout_s:.0f} s; see {log_file}")
 
 
-class Process:
-    """One of Flower's programs, its output in a log file (a pipe would be held open by its children)."""
+class Process(Stoppable):
+    """One of Flower's programs, its output in a log file (a pipe would be held open by its children); SIGTERM
+    stops it, and Flower's programs stop the ones they started."""
 
     def __init__(self, name: str, argv: list[str], home: Path, logs: Path) -> None:
         self.name, self.log = name, logs / f"{name}.log"
@@ -83,17 +84,6 @@ class Process:
         with open(self.log, "rb") as f:
             f.seek(self.since)
             return b"address already in use" in f.read()
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (Flower's programs stop the ones they started), SIGKILL if it lingers."""
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 class SuperLink(Process):
@@ -123,7 +113,7 @@ class SuperLink(Process):
         try:
             self.gate = FleetGate(self.keys, (listen or host, port), inner, self.work / "gate")
         except BaseException:
-            Process.stop(self)
+            Stoppable.stop(self)
             raise
         home = self.work / "cli-home"
         home.mkdir(parents=True, exist_ok=True)
@@ -132,9 +122,13 @@ class SuperLink(Process):
             f'address = "{self.address}"\nroot-certificates = "{self.keys / certs.CA_CERT}"\n'
         )
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        self.gate.stop()
-        super().stop(timeout_s)
+    def terminate(self) -> None:
+        self.gate.terminate()
+        super().terminate()
+
+    def wait_stopped(self, timeout_s: float = 15.0) -> None:
+        self.gate.wait_stopped(timeout_s)
+        super().wait_stopped(timeout_s)
 
     def cli(self, *args: str, timeout_s: float = 120) -> str:
         """``flwr ARGS`` against this SuperLink; its standard output."""
@@ -256,9 +250,13 @@ class SuperNode(Process):
             self.port = free_port()
             super().__init__(self.name, [*self.argv, "--port", str(self.port)], *self.folders)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        super().stop(timeout_s)
-        self.gate.stop()
+    def terminate(self) -> None:
+        super().terminate()
+        self.gate.terminate()
+
+    def wait_stopped(self, timeout_s: float = 15.0) -> None:
+        super().wait_stopped(timeout_s)
+        self.gate.wait_stopped(timeout_s)
 
     def gave_up(self) -> bool:
         """Whether it stopped reaching the server (the federation ended, or its server is gone): Flower's SuperNode

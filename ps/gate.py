@@ -83,7 +83,37 @@ def _verify_name(host: str) -> str:
     return "localhost" if host in ("127.0.0.1", "::1") else host
 
 
-class Gate:
+class Stoppable:
+    """A program this job started, stopped with SIGTERM (SIGKILL if it lingers); several at once by
+    :func:`stop_all`, so that their graceful shutdowns overlap."""
+
+    process: subprocess.Popen
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+
+    def wait_stopped(self, timeout_s: float = 15.0) -> None:
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.terminate()
+        self.wait_stopped(timeout_s)
+
+
+def stop_all(programs: list[Stoppable], timeout_s: float = 15.0) -> None:
+    """Signal every one of ``programs``, then wait for each."""
+    for program in programs:
+        program.terminate()
+    for program in programs:
+        program.wait_stopped(timeout_s)
+
+
+class Gate(Stoppable):
     """One nginx, its configuration, pid file and logs in ``folder``."""
 
     def __init__(self, folder: Path, config: str, listen: tuple[str, int]) -> None:
@@ -130,16 +160,6 @@ class Gate:
         with open(self.error_log, "rb") as f:
             f.seek(self.since)
             return f.read().decode(errors="replace")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()  # nginx's fast shutdown
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 class FleetGate(Gate):

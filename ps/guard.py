@@ -45,12 +45,24 @@ def problem(arrays: list[np.ndarray], start: list[np.ndarray], transport: str) -
     return None
 
 
-def checked(inner, start_of_round, clients: dict[str, int], weights: list[float], transport: str, refused: dict):
+def checked(
+    inner,
+    start_of_round,
+    clients: dict[str, int],
+    examples: list[float],
+    transport: str,
+    refused: dict,
+    secagg: bool = False,
+    equal: bool = False,
+):
     """A Flower strategy around ``inner`` that checks, decodes and re-weighs each update before ``inner`` aggregates.
 
     ``start_of_round``: a callable giving the round's global arrays; ``clients``: the node ids the job registered
-    (as Flower's client proxies name them) and the client each is; ``weights``: the examples each client weighs
-    by; ``refused``: filled with each round's refused clients, for its metrics row.
+    (as Flower's client proxies name them) and the client each is; ``examples``: the examples the job assigned each
+    client, which its update weighs by (each weighs the same with ``equal``: client-level DP's plain mean);
+    ``refused``: filled with each round's refused clients, for its metrics row. ``secagg``: SecAgg+ hands
+    every result the one weighted mean it unmasked (float64, each client weighed by its own count, capped at the
+    plan's max weight): that mean is checked instead, and cast to the model's dtypes.
     """
     from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import Strategy
@@ -65,6 +77,8 @@ def checked(inner, start_of_round, clients: dict[str, int], weights: list[float]
 
         def aggregate_fit(self, server_round, results, failures):
             start = start_of_round()
+            if secagg:
+                return self.secure_mean(server_round, results, failures, start)
             accepted, refused[server_round] = [], []
             for proxy, res in results:
                 node = str(proxy.cid)
@@ -90,14 +104,14 @@ def checked(inner, start_of_round, clients: dict[str, int], weights: list[float]
                     print(f"round {server_round}: the update of {who} is refused: {why}", flush=True)
                     refused[server_round].append(clients.get(node, node))
                     continue
-                weight = weights[clients[node]]
-                if res.num_examples != weight:
+                assigned = examples[clients[node]]
+                if res.num_examples != assigned:
                     print(
-                        f"round {server_round}: {who} claims {res.num_examples} examples; its update weighs "
-                        f"{weight:g}, as the job assigned",
+                        f"round {server_round}: {who} claims {res.num_examples} examples; the job assigned it "
+                        f"{assigned:g}, and its update weighs {1 if equal else assigned:g}",
                         flush=True,
                     )
-                res.num_examples = weight
+                res.num_examples = 1 if equal else assigned
                 res.parameters = ndarrays_to_parameters(arrays)
                 accepted.append((proxy, res))
             if not accepted:
@@ -106,6 +120,24 @@ def checked(inner, start_of_round, clients: dict[str, int], weights: list[float]
                 )
                 return None, {}
             return inner.aggregate_fit(server_round, accepted, failures)
+
+        def secure_mean(self, server_round, results, failures, start):
+            refused[server_round] = []
+            if not results:
+                return None, {}
+            arrays = parameters_to_ndarrays(results[0][1].parameters)
+            if len(arrays) == len(start):
+                arrays = [(a if g.dtype.kind == "f" else np.rint(a)).astype(g.dtype) for a, g in zip(arrays, start)]
+            why = problem(arrays, start, "fp32")
+            if why is None and not all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f"):
+                why = "values that are not finite (NaN or infinity)"
+            if why is not None:
+                print(f"round {server_round}: the securely aggregated update is refused: {why}", flush=True)
+                refused[server_round] = sorted(clients.get(str(p.cid), str(p.cid)) for p, _ in results)
+                return None, {}
+            for _, res in results:
+                res.parameters = ndarrays_to_parameters(arrays)
+            return inner.aggregate_fit(server_round, results, failures)
 
         def configure_evaluate(self, server_round, parameters, client_manager):
             return inner.configure_evaluate(server_round, parameters, client_manager)

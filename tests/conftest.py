@@ -200,11 +200,11 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if needs & {"one_round", "resumed"}:
         store = request.getfixturevalue("tiny_store")
         for name in federations.ONE_ROUND:
-            work.start(name, federations.one_round, store, name)
-        work.start("killed", federations.killed_after_round_one, store)
+            work.start(name, federations.one_round, store, name, light=True)
+        work.start("killed", federations.killed_after_round_one, store, light=True)
     if "hostile" in needs:
         for name in federations.HOSTILE:
-            work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name)
+            work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name, light=True)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
