@@ -66,6 +66,9 @@ lint() {
   say "ruff check and ruff format --check"
   "$VENV/bin/ruff" check --quiet . && "$VENV/bin/ruff" format --check --quiet . \
     || { say "style check failed: run '$VENV/bin/ruff format . && $VENV/bin/ruff check --fix .'"; exit 1; }
+  say "mkdocs build --strict"
+  "$VENV/bin/mkdocs" build --strict --quiet --site-dir .cache/site \
+    || { say "docs build failed: fix the warnings above (a broken link or anchor, a page missing from mkdocs.yml's nav)"; exit 1; }
 }
 
 case "${1:-}" in

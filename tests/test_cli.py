@@ -42,3 +42,13 @@ def test_every_help_matches_the_golden_file() -> None:
         "a --help text changed; if that is intended, refresh the golden file with\n"
         "  python -c 'from tests.test_cli import every_help; print(every_help(), end=\"\")' > tests/golden/cli-help.txt"
     )
+
+
+def test_the_configuration_reference_is_the_one_the_jobs_configs_give() -> None:
+    from clipforge.jobs import reference
+
+    page = reference.markdown()
+    assert "| `--batch-per-rank` | `INT` | `8` |" in page  # a row as the train job's parser gives it
+    assert reference.PAGE.read_text() == page, (
+        "docs/reference/configuration.md is stale: refresh it with python -m clipforge.jobs.reference"
+    )
