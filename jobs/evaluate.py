@@ -45,10 +45,10 @@ from clipforge.base.logs import Progress, setup_logging
 from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
+from clipforge.inference.evaluation import evaluate_videos_on_ranks, inference
+from clipforge.inference.views import Views
 from clipforge.jobs import config
 from clipforge.models.builders import classifier_run, load_trained
-from clipforge.models.evaluation import evaluate_videos_on_ranks, inference
-from clipforge.models.views import Views
 from clipforge.preprocess.reader import DecodedVideos, StoredVideos
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord

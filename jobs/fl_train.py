@@ -53,7 +53,6 @@ from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config, start_weights
 from clipforge.models.builders import architecture, start_from
-from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.ps import certs, dpsgd, guard, privacy
@@ -62,6 +61,7 @@ from clipforge.ps.flower import FlowerError, SuperLink, SuperNode, note, wait_no
 from clipforge.ps.gate import stop_all
 from clipforge.ps.worker import DATA_READ, partition
 from clipforge.rundir import RunDir
+from clipforge.train.settings import DataSettings, ModelSettings
 
 log = logging.getLogger("clipforge.fl_train")
 

@@ -47,11 +47,11 @@ from clipforge.base.logs import Progress, setup_logging
 from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device, wait_for_ranks
 from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
+from clipforge.inference.evaluation import inference, one_video, view_logits
+from clipforge.inference.prediction import PredictionError, PredictionLog, read_manifest, top_classes
+from clipforge.inference.views import Views
 from clipforge.jobs import config
 from clipforge.models.builders import classifier_run, load_trained
-from clipforge.models.evaluation import inference, one_video, view_logits
-from clipforge.models.prediction import PredictionError, PredictionLog, read_manifest, top_classes
-from clipforge.models.views import Views
 from clipforge.preprocess.decode import ClipParams
 from clipforge.preprocess.reader import DecodedVideos
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from clipforge.jobs import config
-from clipforge.models.settings import ModelSettings
 from clipforge.registry.repo import Ref, Registry
+from clipforge.train.settings import ModelSettings
 
 log = logging.getLogger("clipforge.start_weights")
 

@@ -43,10 +43,10 @@ from clipforge.hpc.launch import JobSpec, Launch, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
 from clipforge.jobs.start_weights import fetch_registry_weights, registry_architecture
-from clipforge.models.checkpointing import CheckpointError
-from clipforge.models.settings import TrainSettings, resolve_settings
-from clipforge.models.trainer import Trainer
 from clipforge.rundir import RunDir
+from clipforge.train.checkpointing import CheckpointError
+from clipforge.train.settings import TrainSettings, resolve_settings
+from clipforge.train.trainer import Trainer
 
 log = logging.getLogger("clipforge.train")
 

@@ -1,2 +1,2 @@
-"""Models and what is done with them: builders by name, training (the loop, its engine, checkpoints, resume),
-masked-autoencoder pretraining, imports of published checkpoints, evaluation and prediction."""
+"""What a model is: the architectures (VideoViT, the masked autoencoder, the zoo of builders by name), their input
+transforms, and imports of published checkpoints."""

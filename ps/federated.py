@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from clipforge.hpc.distenv import dist_env
+from clipforge.inference.evaluation import evaluate_model
 from clipforge.models.builders import architecture, start_from
-from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord

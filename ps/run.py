@@ -25,12 +25,12 @@ from torch.distributed import rpc
 
 from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv
+from clipforge.inference.evaluation import evaluate_model
 from clipforge.models.builders import Architecture, architecture, start_from
-from clipforge.models.evaluation import evaluate_model
-from clipforge.models.settings import DataSettings, ModelSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
+from clipforge.train.settings import DataSettings, ModelSettings
 
 from . import server as srv
 from . import worker

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import rpc
 
+from clipforge.inference.evaluation import evaluate_model
 from clipforge.models.clips import random_crop_flip
-from clipforge.models.evaluation import evaluate_model
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.rundir import RunDir
 

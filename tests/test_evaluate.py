@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from clipforge.base.errors import UserError
-from clipforge.models.prediction import PredictionLog
-from clipforge.models.views import Views, spatial_crops
+from clipforge.inference.prediction import PredictionLog
+from clipforge.inference.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly
 
 from .helpers import losses, options, sbatch_wait

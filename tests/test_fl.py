@@ -390,7 +390,7 @@ def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_
 
 
 def test_on_clients_split_by_class_fedprox_reaches_fedavg_and_both_beat_a_client_alone(non_iid) -> None:
-    from clipforge.models.evaluation import evaluate_model
+    from clipforge.inference.evaluation import evaluate_model
     from clipforge.preprocess.reader import ClipDataset
     from clipforge.ps.federated import train_locally
     from clipforge.ps.worker import Augment, partition

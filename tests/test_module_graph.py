@@ -166,3 +166,46 @@ def test_no_module_is_over_450_lines() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     over = sorted(f"{name}: {lines} lines" for name, lines in sizes.items() if lines > MAX_LINES)
     assert over == [], f"modules over {MAX_LINES} lines (split them by idea):\n" + "\n".join(over)
+
+
+ORDER = ["base", "hpc", "preprocess", "rundir", "models", "inference", "train", ("ps", "registry"), "jobs"]
+"""The rooms from the bottom up (docs/architecture.md): a room imports only rooms below it. Rooms that share a
+level (in a tuple) import neither each other."""
+
+
+def level(room: str) -> int:
+    return next(i for i, step in enumerate(ORDER) if room == step or (isinstance(step, tuple) and room in step))
+
+
+def uphill(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from a room to one at its level or above it, as ``importer -> imported``."""
+    found = []
+    for name, targets in graph.items():
+        room = name.split(".")[1]
+        for target in sorted(targets):
+            other = target.split(".")[1]
+            if other != room and level(other) >= level(room):
+                found.append(f"{name} -> {target}")
+    return sorted(found)
+
+
+def test_the_order_of_rooms_names_every_room() -> None:
+    named = {room for step in ORDER for room in (step if isinstance(step, tuple) else (step,))}
+    assert named == {package.split(".")[1] for package in rooms()}
+
+
+def test_an_import_up_the_order_of_rooms_is_found() -> None:
+    graph = {"clipforge.models.builders": {"clipforge.train.settings"}, "clipforge.ps.run": {"clipforge.registry.x"}}
+    graph |= {"clipforge.train.trainer": {"clipforge.models.builders", "clipforge.train.settings"}}
+    assert uphill(graph) == [
+        "clipforge.models.builders -> clipforge.train.settings",
+        "clipforge.ps.run -> clipforge.registry.x",
+    ]
+
+
+def test_every_room_imports_only_the_rooms_below_it() -> None:
+    found = uphill(import_graph())
+    assert found == [], (
+        "imports up the order of rooms (base < hpc < preprocess < rundir < models < inference < train < "
+        "ps, registry < jobs):\n" + "\n".join(found)
+    )

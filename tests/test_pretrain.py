@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from clipforge.models.builders import create_model, start_from
-from clipforge.models.settings import ModelSettings
 from clipforge.rundir import RunDir
+from clipforge.train.settings import ModelSettings
 
 from .helpers import MAE, MAE_STEPS, TINY, losses, train, wait_for_checkpoint
 
@@ -112,7 +112,7 @@ def test_pretraining_refuses_label_settings_and_a_checkpointing_that_saves_nothi
 ) -> None:
     """Once accepted and ignored (the labels' settings), or worse than ignored (a second forward pass)."""
     from clipforge.jobs import train
-    from clipforge.models.settings import TrainError
+    from clipforge.train.settings import TrainError
 
     cfg = train.parse(["--data.store", str(tiny_store), "--objective", "mae", *TINY, *flags])
     with pytest.raises(TrainError, match=re.escape(says)):

@@ -11,9 +11,9 @@ import torch
 
 from clipforge.base.errors import UserError
 from clipforge.models.builders import architecture, create_model
-from clipforge.models.settings import TrainSettings
-from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
+from clipforge.train.settings import TrainSettings
+from clipforge.train.trainer import Trainer
 
 from .helpers import TINY, TINY_TRAINING, kill_after_checkpoint, losses, train
 
@@ -63,7 +63,7 @@ def test_mixup_and_cutmix_give_soft_targets_weighted_by_what_was_mixed() -> None
 
 
 def test_layer_decay_gives_each_layer_its_rate_and_the_head_the_full_one() -> None:
-    from clipforge.models.engine import parameter_groups
+    from clipforge.train.engine import parameter_groups
 
     model = create_model("videovit-tiny", 6, frames=8, image_size=32, depth=3, tubelet=(2, 8, 8))
     groups = parameter_groups(model, len(model), 1e-3, 0.75)
@@ -133,7 +133,7 @@ def test_a_recipe_from_registry_weights_trains_for_an_epoch_on_a_tiny_store(
 
 
 def test_epochs_and_warm_up_epochs_become_steps_before_anything_runs(tiny_store: Path) -> None:
-    from clipforge.models.settings import resolve_settings
+    from clipforge.train.settings import resolve_settings
 
     s = TrainSettings(epochs=2.5, batch_per_rank=4, grad_accum=2)
     s.data.store, s.optim.warmup_epochs = tiny_store, 0.5

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from clipforge.hpc.lock import LOCK_NAME
-from clipforge.models.sampler import StepSampler
 from clipforge.preprocess import synthetic
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.preprocess.store_format import StoreError
+from clipforge.train.sampler import StepSampler
 
 from .helpers import pack_argv
 

@@ -17,11 +17,11 @@ import torch
 
 from clipforge.base.errors import UserError
 from clipforge.hpc.lock import LOCK_NAME
+from clipforge.inference.evaluation import evaluate_model
 from clipforge.models.builders import architecture, count_flops, create_model, load_weights
-from clipforge.models.evaluation import evaluate_model
-from clipforge.models.settings import TrainSettings
-from clipforge.models.trainer import Trainer
 from clipforge.preprocess.reader import ClipDataset
+from clipforge.train.settings import TrainSettings
+from clipforge.train.trainer import Trainer
 
 from .helpers import LOCAL, RESHARDED, TINY_TRAINING, kill_after_checkpoint, losses, train, wait_for_checkpoint
 

@@ -12,10 +12,10 @@ from clipforge.base.files import sha256
 from clipforge.hpc.accelerator import Peak
 from clipforge.hpc.distenv import DistEnv
 from clipforge.models import throughput
-from clipforge.models.resume import plan_resume
-from clipforge.models.settings import TrainError, TrainSettings
-from clipforge.models.throughput import Throughput
 from clipforge.rundir import CheckpointIndex
+from clipforge.train.resume import plan_resume
+from clipforge.train.settings import TrainError, TrainSettings
+from clipforge.train.throughput import Throughput
 
 # -- the checkpoint index -----------------------------------------------------------------
 
@@ -331,7 +331,7 @@ def test_ranks_that_score_whole_videos_add_up_to_one_process_at_a_thousand_class
     import torch
     import torch.nn.functional as F
 
-    from clipforge.models.evaluation import Tally, evaluate_logits, videos_of_rank
+    from clipforge.inference.evaluation import Tally, evaluate_logits, videos_of_rank
 
     rng = np.random.default_rng(0)
     clips, classes = 3000, [str(c) for c in range(1000)]
@@ -409,7 +409,7 @@ def test_a_rank_with_fewer_clips_runs_as_many_forward_passes_as_the_busiest_and_
     the others waiting. Whole videos a rank make the shares uneven (here 3 clips against the busiest's 3 batches)."""
     import torch
 
-    from clipforge.models.evaluation import score
+    from clipforge.inference.evaluation import score
 
     class Clips(torch.utils.data.Dataset):
         classes = ["a", "b"]

@@ -200,8 +200,8 @@ def weight_bytes(store: Path) -> int:
 def alone(store: Path, epochs: int, seed: int) -> dict:
     """Client 0 of 3 (by class: two of the six classes) trained alone on its own share, one epoch at a time as a
     client's round trains: its final top-1 and the mean top-1 of its last four epochs."""
+    from clipforge.inference.evaluation import evaluate_model
     from clipforge.models.builders import architecture
-    from clipforge.models.evaluation import evaluate_model
     from clipforge.preprocess.reader import ClipDataset
     from clipforge.preprocess.store import ClipStore
     from clipforge.ps.federated import train_locally

@@ -147,9 +147,9 @@ def synchronize(device: torch.device) -> None:
 def run_one(case: Case, out: Path) -> None:
     """One configuration, both sides in this process (a single rank)."""
     from clipforge.base.logs import setup_logging
-    from clipforge.models.engine import bf16_form
-    from clipforge.models.settings import TrainSettings
-    from clipforge.models.trainer import Trainer
+    from clipforge.train.engine import bf16_form
+    from clipforge.train.settings import TrainSettings
+    from clipforge.train.trainer import Trainer
 
     setup_logging(0)
     s = TrainSettings(run_dir=Path(case.run), batch_per_rank=case.batch, precision="bf16", compile=case.compile)

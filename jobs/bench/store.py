@@ -182,8 +182,8 @@ def drop_cache(store: Path) -> None:
 
 def sampled_pass(store: Path, shuffle: str, window: int = 256) -> tuple[float, float]:
     """(clips/s, shard opens per 1,000 clips) of rank 0 of 2 through one epoch, from a cold page cache."""
-    from clipforge.models.sampler import StepSampler
     from clipforge.preprocess.reader import ClipDataset
+    from clipforge.train.sampler import StepSampler
 
     data = ClipDataset(store, "train")
     local = shuffle == "shards"

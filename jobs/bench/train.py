@@ -170,7 +170,7 @@ def run_stage(cfg: Config) -> None:
 
     from clipforge.hpc.distenv import init_process_group, setup_distributed, task_device
     from clipforge.models.builders import architecture
-    from clipforge.models.parallel import ParallelConfig, deepspeed_config
+    from clipforge.train.parallel import ParallelConfig, deepspeed_config
 
     env = setup_distributed()
     init_process_group(env, task_device(env), single=True)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from clipforge.hpc.distenv import DistEnv
+from clipforge.models.builders import Architecture
 
-from .builders import Architecture
 from .parallel import deepspeed_config
 from .resume import ResumePlan
 from .settings import TrainSettings

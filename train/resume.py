@@ -26,6 +26,7 @@ from clipforge.hpc.collective import over_torch, rank_zero_decides
 from clipforge.hpc.distenv import DistEnv
 from clipforge.rundir import CheckpointIndex
 
+from .parallel import global_batch
 from .settings import TrainError, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def _decide(
             f"checkpoint {tag} was written by {was} ranks and this job has {now}: an elastic restart "
             "reshards ZeRO 0-2 data parallel only (a pipeline needs its stages, ZeRO-3 its partitions)"
         )
-    per_micro_batch = s.batch_per_rank * now
+    per_micro_batch = global_batch(s.batch_per_rank, 1, now)  # the global batch of one micro-batch a rank
     if written["global_batch"] % per_micro_batch:
         raise TrainError(
             f"the run's global batch of {written['global_batch']} clips does not divide over {now} ranks of "

@@ -22,7 +22,6 @@ checkpoints in :mod:`.checkpointing`, what it records in :mod:`.runlog`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -33,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from clipforge.hpc.collective import over_torch, rank_zero_decides
 from clipforge.hpc.distenv import (
@@ -46,17 +44,18 @@ from clipforge.hpc.distenv import (
 )
 from clipforge.hpc.lock import held_by_rank_zero
 from clipforge.hpc.requeue import Preemption
+from clipforge.inference.evaluation import evaluate_model
+from clipforge.models.builders import Architecture
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
 
 from .batches import Batch, train_batches
-from .builders import Architecture
 from .checkpointing import Checkpointer
 from .engine import build_engine, class_weights, has_batchnorm
-from .evaluation import evaluate_model, evaluate_on_ranks
 from .layout import LAYOUTS, EngineLayout, ModelPlan
-from .mae import encoder_state, reconstruction_on_ranks
+from .objectives import objective_of
+from .parallel import global_batch
 from .resume import ResumePlan, load_planned, make_universal, plan_resume
 from .runlog import RunLog
 from .sampler import StepSampler
@@ -129,6 +128,7 @@ class Trainer:
         self.train_set = ClipDataset(self.store, settings.data.train_split, encoded=settings.data.decode == "device")
         self.eval_set = ClipDataset(self.store, settings.data.eval_split)
         self.run_dir = RunDir(settings.run_dir)
+        self.objective = objective_of(settings)
         self.class_weights: torch.Tensor | None = None
         self.step = 0
 
@@ -140,18 +140,9 @@ class Trainer:
     def device(self) -> torch.device:
         return task_device(self.dist)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy against class indices, or against soft targets ``[B, classes]`` (mixup, CutMix).
-
-        A masked autoencoder's forward is its own loss (the labels play no part).
-        """
-        if self.settings.objective == "mae":
-            return logits.float()
-        weight = self.class_weights.to(logits.device) if self.class_weights is not None else None
-        target = labels.float() if labels.is_floating_point() else labels.long()
-        return F.cross_entropy(
-            logits.float(), target, weight=weight, label_smoothing=self.settings.optim.label_smoothing
-        )
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The objective's loss of one micro-batch (:mod:`.objectives`)."""
+        return self.objective.loss(output, labels, self.class_weights, self.settings)
 
     # -- the run ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -181,8 +172,9 @@ class Trainer:
         self.run_dir.prepare()
         fetch = functools.partial(self.fetch_weights, self.run_dir.start_weights) if self.fetch_weights else None
         self.plan = plan_resume(s, self.run_dir.checkpoints, self.dist, self.dp_size, self.elastic, fetch)
+        clips_per_step = global_batch(s.batch_per_rank, self.plan.grad_accum, self.dp_size)
         if self.plan.grad_accum != s.grad_accum:  # an elastic restart keeps the run's global batch, and so its steps
-            steps_of_epochs(s, len(self.train_set), s.batch_per_rank * self.plan.grad_accum * self.dp_size)
+            steps_of_epochs(s, len(self.train_set), clips_per_step)
             if s.epochs is not None and main:
                 log.info("%g epochs in the run's global batches: %d steps", s.epochs, s.steps)
         make_universal(self.plan, self.run_dir.checkpoints, self.dist, self.dp_size)
@@ -196,7 +188,7 @@ class Trainer:
         module = self.layout.module()
         self.engine = build_engine(s, self.arch, module, self.plan, self.dist, self.device, has_batchnorm(self.arch))
         written = {"world_size": self.dist.world_size, "data_parallel": self.dp_size}
-        written["global_batch"] = s.batch_per_rank * self.plan.grad_accum * self.dp_size
+        written["global_batch"] = clips_per_step
         self.checkpointer = Checkpointer(self.engine, self.run_dir.checkpoints, self.dist, s.keep_checkpoints, written)
         load_planned(self.engine, self.plan, self.run_dir.checkpoints, self.dist)
         self.step = self.plan.step
@@ -205,11 +197,10 @@ class Trainer:
         # (set at each window's end). The first window is the first step alone, which times the steps: a notice
         # that came during a first window of --log-every slow steps would wait for all of them.
         self._poll_steps = 1
-        clips_per_step = s.batch_per_rank * self.plan.grad_accum * self.dp_size
         flops = self.arch.flops() if self.arch.flops else None
         self.throughput = Throughput.of_run(clips_per_step, flops, self.device, self.dist.world_size, main, s.precision)
         lr = lambda: float(max(self.engine.get_lr()))  # noqa: E731 - the head's, with layer-wise decay
-        self.records = RunLog(self.run_dir, main, self.step, s.steps, self.throughput, lr)
+        self.records = RunLog(self.run_dir, main, self.step, s.steps, self.throughput, lr, self.objective)
         self._batches = self._input()
         self.throughput.start()
 
@@ -301,25 +292,11 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def evaluate(self) -> dict[str, Any]:
-        """Clip- and video-level accuracy of the current weights on the eval split (ranks share the clips)."""
+        """The objective's evaluation of the current weights on the eval split (ranks share the clips)."""
         self.engine.eval()
         try:
-            s = self.settings
-            if s.objective == "mae":
-                return reconstruction_on_ranks(
-                    self.engine, self.eval_set, s.batch_per_rank, s.data.crop, self.dist.rank, self.dist.world_size,
-                    self.device, s.data.workers, seed=s.seed,
-                )  # fmt: skip
-            return evaluate_on_ranks(
-                self.engine,
-                self.eval_set,
-                s.batch_per_rank,
-                s.data.crop,
-                self.dist.rank,
-                self.dist.world_size,
-                self.device,
-                s.data.workers,
-            )
+            d = self.dist
+            return self.objective.evaluate(self.engine, self.eval_set, self.settings, d.rank, d.world_size, self.device)
         finally:
             self.engine.train()
 
@@ -349,9 +326,7 @@ class Trainer:
             metrics = self.evaluate()  # a collective: before rank 0 alone consolidates the weights
         tag = self.run_dir.checkpoints.tag(self.step)
         state = self.layout.final_state(self.engine, self.run_dir.checkpoints, tag, main)
-        pretraining = s.objective == "mae"
-        if pretraining:
-            state = encoder_state(state)  # the encoder alone, under the classifier's names
+        state = self.objective.final_state(state)
         if not self.layout.evaluates_while_training and main:
             model = self.arch.build(seed=s.seed)
             model.load_state_dict(state)
@@ -364,12 +339,10 @@ class Trainer:
             record = RunRecord.of_run(
                 s.model.name, s.model.overrides(), self.store, s.data.crop, metrics, self.step, self.dist
             )
-            if pretraining:
-                record.pretraining = {"objective": "mae", **dataclasses.asdict(s.mae)}
+            self.objective.annotate(record, s)
             weights = self.run_dir.write_final(state, record, metrics)
             result.update(metrics=metrics, weights=str(weights))
-            figure = "reconstruction loss" if pretraining else "video top-1"
-            value = metrics["loss"] if pretraining else metrics["video_top1"]
+            figure, value = self.objective.headline_words, metrics[self.objective.headline]
             log.info(
                 "finished at step %d: %s %s %.4f; weights in %s", self.step, metrics["split"], figure, value, weights
             )

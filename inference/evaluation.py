@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from clipforge.models.clips import center_crop
 from clipforge.preprocess.reader import ClipDataset
 
-from .clips import center_crop
 from .views import Views, spatial_crops
 
 
@@ -331,3 +331,32 @@ def one_video(item: dict[str, Any]) -> dict[str, Any]:
     if item["clips"] is not None:
         item = {**item, "clips": torch.from_numpy(np.ascontiguousarray(item["clips"]))}
     return item
+
+
+@torch.no_grad()
+def reconstruction_on_ranks(
+    forward, dataset, batch: int, crop: int | None, rank: int, world_size: int, device, workers: int = 0, seed: int = 0
+) -> dict[str, Any]:
+    """The masked-reconstruction loss on a split, every rank taking its share, the masks drawn from ``seed``."""
+    cuda = torch.device(device).type == "cuda"
+    mine = np.arange(rank, len(dataset), world_size)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, list(mine)), batch_size=batch, num_workers=workers, pin_memory=cuda
+    )
+    batches = most_batches(-(-len(mine) // batch), world_size)  # as many forward passes on every rank (ZeRO-3)
+    torch.manual_seed(seed)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    clips, done = None, 0
+    for clips, _ in loader:
+        clips = center_crop(clips.to(device, non_blocking=cuda), crop).contiguous()
+        total += torch.stack([forward(clips).double() * len(clips), torch.tensor(float(len(clips)), device=device)])
+        done += 1
+    for _ in range(batches - done):
+        forward(spare_batch(clips, dataset, crop, torch.device(device)))
+    if world_size > 1:
+        from clipforge.hpc.distenv import collective_device
+
+        total = total.to(collective_device())
+        torch.distributed.all_reduce(total)
+    loss, clips = total.tolist()
+    return {"split": dataset.split, "loss": loss / max(clips, 1.0), "clips": int(clips)}

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import torch
 
+from clipforge.models.clips import mix_batch, random_crop_flip
 from clipforge.preprocess.jpeg import decode_jpeg_batch
 from clipforge.preprocess.reader import ClipDataset, collate_encoded
 
-from .clips import mix_batch, random_crop_flip
 from .sampler import StepSampler
 from .settings import DataSettings
 from .throughput import Throughput

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from clipforge.base.errors import UserError
+from clipforge.models.builders import Architecture
+from clipforge.models.mae import MaeSettings
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 
-from .builders import Architecture, architecture
-from .mae import MaeSettings, mae_architecture
-from .parallel import ParallelConfig, Precision
+from .objectives import objective_of
+from .parallel import ParallelConfig, Precision, global_batch
 
 
 class TrainError(UserError):
@@ -272,11 +273,11 @@ def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Arch
     ClipDataset(store, s.data.eval_split)
     frames, height, width = store.params["clip_frames"], store.params["height"], store.params["width"]
     size = s.data.crop or height
-    if s.objective == "mae":
-        _check_mae(s)
-        arch = mae_architecture(s.model.name, frames, size, s.mae, **s.model.overrides())
-    else:
-        arch = architecture(s.model.name, len(store.classes), frames, size, **s.model.overrides())
+    objective = objective_of(s)
+    problem = objective.problem(s)
+    if problem:
+        raise TrainError(problem)
+    arch = objective.architecture(s, len(store.classes), frames, size)
     s.parallel.check(world_size, arch.splittable, s.model.name)
     if s.data.crop is not None and s.data.crop > min(height, width):
         raise TrainError(f"crop {s.data.crop} is larger than the store's {height}x{width} frames")
@@ -287,10 +288,10 @@ def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Arch
             "model"
         )
     dp = s.parallel.data_parallel(world_size)
-    if len(train_set) < s.batch_per_rank * dp:
+    if len(train_set) < global_batch(s.batch_per_rank, 1, dp):
         raise TrainError(
             f"split {s.data.train_split!r} has {len(train_set)} clips, fewer than one global batch of "
-            f"{s.batch_per_rank * dp}"
+            f"{global_batch(s.batch_per_rank, 1, dp)}"
         )
     if s.data.decode == "device" and store.codec != "jpeg":
         raise TrainError(
@@ -300,7 +301,7 @@ def resolve_settings(s: TrainSettings, world_size: int) -> tuple[ClipStore, Arch
     if s.data.shuffle_window < 1:
         raise TrainError(f"data.shuffle_window is {s.data.shuffle_window}; give a number of clips, at least 1")
     _check_recipe_knobs(s)
-    steps_of_epochs(s, len(train_set), s.batch_per_rank * s.grad_accum * dp)
+    steps_of_epochs(s, len(train_set), global_batch(s.batch_per_rank, s.grad_accum, dp))
     if s.steps < 1 or s.checkpoint_every < 1 or s.eval_every < 1 or s.log_every < 1:
         raise TrainError("steps, checkpoint_every, eval_every and log_every must be at least 1")
     if not s.preemption_poll_s > 0:
@@ -315,32 +316,6 @@ def steps_of_epochs(s: TrainSettings, clips: int, global_batch: int) -> None:
         s.steps = math.ceil(s.epochs * clips / global_batch)
     if s.optim.warmup_epochs is not None:
         s.optim.warmup_steps = round(s.optim.warmup_epochs * clips / global_batch)
-
-
-def _check_mae(s: TrainSettings) -> None:
-    """What masked-autoencoder pretraining cannot do, refused before a process starts."""
-    m = s.model
-    if not m.name.startswith("videovit-"):
-        raise TrainError(f"--objective mae pretrains a videovit-* encoder; {m.name} is not one")
-    if m.attention == "divided" or m.pool == "cls":
-        raise TrainError("--objective mae: the encoder sees a subset of tokens, so joint attention and mean pooling")
-    if m.weights is not None:
-        raise TrainError("--objective mae starts from scratch; drop --model.weights (fine-tuning takes it)")
-    if s.data.mixup or s.data.cutmix or s.optim.layer_decay != 1:
-        raise TrainError("--objective mae: mixup, CutMix and layer decay are fine-tuning settings; drop them")
-    if s.data.class_balance == "loss" or s.optim.label_smoothing:
-        raise TrainError(
-            "--objective mae: a loss weighted by class or smoothed labels acts on labels, which pretraining does not "
-            "read; drop --data.class-balance loss and --optim.label-smoothing"
-        )
-    if s.parallel.activation_checkpointing:
-        raise TrainError(
-            "--objective mae: the autoencoder is one segment, so activation checkpointing would recompute all of it "
-            "and save no memory; drop --parallel.activation-checkpointing"
-        )
-    problem = s.mae.problem()
-    if problem:
-        raise TrainError(problem)
 
 
 def _check_recipe_knobs(s: TrainSettings) -> None:

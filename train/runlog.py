@@ -16,20 +16,27 @@ from typing import Any
 from clipforge.base.logs import Progress
 from clipforge.rundir import RunDir
 
+from .objectives import Objective
 from .throughput import Throughput
 
 log = logging.getLogger(__name__)
-
-EVAL_FIGURES = ("loss", "clip_top1", "clip_top5", "video_top1", "video_top5")
 
 
 class RunLog:
     """The records of one run on rank 0 (on other ranks every call does nothing)."""
 
     def __init__(
-        self, run: RunDir, main: bool, first_step: int, steps: int, throughput: Throughput, lr: Callable[[], float]
+        self,
+        run: RunDir,
+        main: bool,
+        first_step: int,
+        steps: int,
+        throughput: Throughput,
+        lr: Callable[[], float],
+        objective: Objective,
     ) -> None:
-        self.run, self.main, self.throughput, self._lr = run, main, throughput, lr
+        """``objective``: the run's (:mod:`.objectives`), which says how an evaluation reads."""
+        self.run, self.main, self.throughput, self._lr, self.objective = run, main, throughput, lr, objective
         self.writer = None
         if main:
             from torch.utils.tensorboard import SummaryWriter
@@ -86,23 +93,9 @@ class RunLog:
         if not self.main:
             return
         self.run.append_metrics({"kind": "eval", "step": step, **metrics})
-        if "video_top1" not in metrics:  # pretraining: the masked-reconstruction loss alone
-            log.info("step %d: %s reconstruction loss %.4f (%d clips)", step, metrics["split"], metrics["loss"],
-                     metrics["clips"])  # fmt: skip
-            if self.writer is not None:
-                self.writer.add_scalar(f"{metrics['split']}/loss", metrics["loss"], step)
-            return
-        log.info(
-            "step %d: %s loss %.4f, clip top-1 %.3f, video top-1 %.3f (%d videos)",
-            step,
-            metrics["split"],
-            metrics["loss"],
-            metrics["clip_top1"],
-            metrics["video_top1"],
-            metrics["videos"],
-        )
+        log.info("step %d: %s", step, self.objective.describe(metrics))
         if self.writer is not None:
-            for key in EVAL_FIGURES:
+            for key in self.objective.figures:
                 self.writer.add_scalar(f"{metrics['split']}/{key}", metrics[key], step)
 
     def summary(self, step: int, figures: dict[str, Any]) -> None:

@@ -70,6 +70,14 @@ class ParallelConfig:
         return world_size // self.pipeline_stages
 
 
+def global_batch(batch_per_rank: int, grad_accum: int, data_parallel: int) -> int:
+    """Clips per optimizer step: each data-parallel rank's micro-batch, times the micro-batches it accumulates.
+
+    The one place it is computed: the step count of ``--epochs``, DeepSpeed's config, the meters and the
+    checkpoint's record (which an elastic restart keeps) all take it from here."""
+    return batch_per_rank * grad_accum * data_parallel
+
+
 def deepspeed_config(
     parallel: ParallelConfig,
     world_size: int,
@@ -92,7 +100,7 @@ def deepspeed_config(
         raise ParallelError(f"batch_per_rank ({batch_per_rank}) and grad_accum ({grad_accum}) must be at least 1")
     dp = parallel.data_parallel(world_size)
     config: dict[str, Any] = {
-        "train_batch_size": batch_per_rank * grad_accum * dp,
+        "train_batch_size": global_batch(batch_per_rank, grad_accum, dp),
         "train_micro_batch_size_per_gpu": batch_per_rank,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": clip_grad,

@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from clipforge.models.builders import Architecture, start_from
 from clipforge.rundir import CheckpointIndex
 
-from .builders import Architecture, start_from
 from .parallel import ParallelConfig, Precision
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Inference: evaluation with views, and prediction on video files."""

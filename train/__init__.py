@@ -1,0 +1,1 @@
+"""Training: the loop, its engine and layouts, checkpoints, resume and what a run records."""
