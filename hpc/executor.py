@@ -146,8 +146,9 @@ def _set_aside_earlier(job: submitit.Job, submitted_at: float) -> None:
     aside.mkdir(exist_ok=True)
     for path in stale:
         path.rename(aside / path.name)
-    log.warning("job %s: its folder held %d files of an earlier job %s; moved to %s", job.job_id, len(stale),
-                job.job_id, aside)  # fmt: skip
+    log.warning(
+        "job %s: its folder held %d files of an earlier job %s; moved to %s", job.job_id, len(stale), job.job_id, aside
+    )
 
 
 @contextlib.contextmanager

@@ -32,7 +32,6 @@ if __name__ == "__main__":  # sbatch runs the first python3 on PATH: say so in o
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -42,7 +41,6 @@ from clipforge.hpc.distenv import dist_env, share_cores
 from clipforge.hpc.launch import JobSpec, Launch, context, run_script
 from clipforge.hpc.resources import Resources
 from clipforge.jobs import config
-from clipforge.models.builders import start_from
 from clipforge.ps import run as ps
 from clipforge.ps.run import PSSettings
 from clipforge.rundir import RunDir
@@ -86,9 +84,7 @@ def check(cfg: Config) -> None:
             f"--gpus-per-node {cfg.resources.gpus_per_node}: the parameter server and its trainers run on CPUs; "
             "leave it out"
         )
-    _, arch = ps.check(cfg, tasks)
-    if cfg.model.weights is not None:  # they fit (a new head for other classes), or one line; each rank loads them
-        start_from(arch.build(seed=0), Path(cfg.model.weights))
+    ps.check(cfg, tasks)
 
 
 def main(cfg: Config) -> dict | None:

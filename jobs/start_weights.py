@@ -10,7 +10,7 @@ from pathlib import Path
 
 from clipforge.jobs import config
 from clipforge.registry.repo import Ref, Registry
-from clipforge.train.settings import ModelSettings
+from clipforge.train.inputs import ModelSettings
 
 log = logging.getLogger("clipforge.start_weights")
 

@@ -103,10 +103,19 @@ VIDEOMAE = KeyMap(
     "VideoMAE",
     {"patch_embed.proj.": "0.proj.", "pos_embed": "0.position", "fc_norm.": "{head}.norm.", "head.": "{head}.fc."},
     r"blocks\.(?P<i>\d+)\.(?P<name>.+?)(?P<rest>\.weight|\.bias)?",
-    {"norm1": "norm1", "attn.qkv": "attn.qkv", "attn.q_bias": "attn.q_bias", "attn.v_bias": "attn.v_bias",
-     "attn.proj": "attn.proj", "norm2": "norm2", "mlp.fc1": "mlp.0", "mlp.fc2": "mlp.2", "gamma_1": "gamma_1",
-     "gamma_2": "gamma_2"},
-)  # fmt: skip
+    {
+        "norm1": "norm1",
+        "attn.qkv": "attn.qkv",
+        "attn.q_bias": "attn.q_bias",
+        "attn.v_bias": "attn.v_bias",
+        "attn.proj": "attn.proj",
+        "norm2": "norm2",
+        "mlp.fc1": "mlp.0",
+        "mlp.fc2": "mlp.2",
+        "gamma_1": "gamma_1",
+        "gamma_2": "gamma_2",
+    },
+)
 
 
 def from_videomae(
@@ -163,9 +172,14 @@ HUGGING_FACE = KeyMap(
     "transformers VideoMAE",
     {"embeddings.patch_embeddings.projection.": "0.proj.", "fc_norm.": "{head}.norm.", "classifier.": "{head}.fc."},
     r"encoder\.layer\.(?P<i>\d+)\.(?P<name>.+?)(?P<rest>\.weight|\.bias)",
-    {"attention.output.dense": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
-     "intermediate.dense": "mlp.0", "output.dense": "mlp.2"},
-)  # fmt: skip
+    {
+        "attention.output.dense": "attn.proj",
+        "layernorm_before": "norm1",
+        "layernorm_after": "norm2",
+        "intermediate.dense": "mlp.0",
+        "output.dense": "mlp.2",
+    },
+)
 
 
 def from_hf(folder: Path) -> Imported:
@@ -320,8 +334,13 @@ def _check_fits(imported: Imported, path: Path) -> None:
     """Every mapped tensor has its place and shape in the model clipforge builds; only a missing head may be."""
     from .builders import _load
 
-    arch = architecture(imported.model, max(len(imported.classes), 1), imported.frames, imported.image_size,
-                        **{k: tuple(v) if k == "tubelet" else v for k, v in imported.overrides.items()})  # fmt: skip
+    arch = architecture(
+        imported.model,
+        max(len(imported.classes), 1),
+        imported.frames,
+        imported.image_size,
+        **{k: tuple(v) if k == "tubelet" else v for k, v in imported.overrides.items()},
+    )
     model = arch.build()
     own = model.state_dict()
     if imported.encoder_only:

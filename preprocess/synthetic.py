@@ -213,9 +213,14 @@ def write_store(
             clips = np.stack([rendered[s : s + clip_frames] for s in starts])
             times = [s / spec.fps for s in starts]
             info = VideoClips(
-                float(spec.fps), frames / spec.fps, frames, clips, times, promised_frames=frames,
+                float(spec.fps),
+                frames / spec.fps,
+                frames,
+                clips,
+                times,
+                promised_frames=frames,
                 last_time=(frames - 1) / spec.fps,
-            ).record()  # fmt: skip
+            ).record()
             writer.add_video(len(videos), label, clips, times, info)
             split = "val" if i % val_every == val_every - 1 or i == videos_per_class - 1 else "train"
             videos.append({"path": f"{name}/{name}_{i:03d}", "label": label, "split": split, **info})

@@ -60,9 +60,12 @@ class PrivateSteps:
         # could draw the same noise and subtract it: a seed from the OS each round, never from the config.
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         self.optimizer = DPOptimizer(
-            optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.clipping_norm,
-            expected_batch_size=batch, generator=generator,
-        )  # fmt: skip
+            optimizer,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.clipping_norm,
+            expected_batch_size=batch,
+            generator=generator,
+        )
         self.sampler = UniformWithReplacementSampler(
             num_samples=clips, sample_rate=self.sample_rate, generator=generator
         )

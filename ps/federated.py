@@ -238,9 +238,13 @@ def serve(grid, context) -> None:
         legacy = LegacyContext(context=context, config=rounds_left, strategy=strategy)
         if plan.secagg:
             fit = secagg_workflow(
-                sampled, plan.secagg_may_drop, plan.secagg_clipping_range, plan.secagg_quantization_range,
-                plan.secagg_max_weight, plan.round_timeout_s,
-            )  # fmt: skip
+                sampled,
+                plan.secagg_may_drop,
+                plan.secagg_clipping_range,
+                plan.secagg_quantization_range,
+                plan.secagg_max_weight,
+                plan.round_timeout_s,
+            )
         else:
             fit = timed_fit_workflow(plan.round_timeout_s)
         DefaultWorkflow(fit_workflow=fit)(registered_only(grid, set(plan.nodes)), legacy)
@@ -338,10 +342,8 @@ class _Client:
         self.share = partition(self.dataset.labels, parts, how, int(node_config.get("seed", 0)))[self.index]
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
-        arch = architecture(
-            str(config["model"]), int(config["classes"]), int(config["frames"]), int(config["size"]),
-            **json.loads(str(config["overrides"])),
-        )  # fmt: skip
+        shape = int(config["classes"]), int(config["frames"]), int(config["size"])
+        arch = architecture(str(config["model"]), *shape, **json.loads(str(config["overrides"])))
         model = arch.build(seed=int(config["seed"]))
         model.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in zip(model.state_dict(), parameters)})
         crop = int(config["crop"]) or None
@@ -352,9 +354,17 @@ class _Client:
                 float(config["dp_sgd_noise"]), float(config["dp_sgd_clip"]), float(config["dp_delta"])
             )
         metrics = train_locally(
-            model, self.dataset, self.share, int(config["epochs"]), float(config["lr"]), int(config["batch"]),
-            int(config["round"]), augment, float(config.get("proximal_mu", 0.0)), sample_dp,
-        )  # fmt: skip
+            model,
+            self.dataset,
+            self.share,
+            int(config["epochs"]),
+            float(config["lr"]),
+            int(config["batch"]),
+            int(config["round"]),
+            augment,
+            float(config.get("proximal_mu", 0.0)),
+            sample_dp,
+        )
         weights = [v.detach().numpy() for v in model.state_dict().values()]
         transport = str(config.get("transport", "fp32"))
         if transport == "fp32":

@@ -26,11 +26,11 @@ from torch.distributed import rpc
 from clipforge.base.errors import UserError
 from clipforge.hpc.distenv import DistEnv
 from clipforge.inference.evaluation import evaluate_model
-from clipforge.models.builders import Architecture, architecture, start_from
+from clipforge.models.builders import Architecture, start_from
 from clipforge.preprocess.reader import ClipDataset
 from clipforge.preprocess.store import ClipStore
 from clipforge.rundir import RunDir, RunRecord
-from clipforge.train.settings import DataSettings, ModelSettings
+from clipforge.train.inputs import DataSettings, ModelSettings, resolve_inputs
 
 from . import server as srv
 from . import worker
@@ -69,24 +69,13 @@ def check(s: PSSettings, world_size: int) -> tuple[ClipStore, Architecture]:
             f"{unread}: a parameter-server trainer reads its own share in its own process, in its own seeded order, "
             "with plain cross-entropy, so it would have no effect; leave it out"
         )
-    store = ClipStore.open(s.data.store)
-    ClipDataset(store, s.data.train_split)
-    ClipDataset(store, s.data.eval_split)
-    p = store.params
-    if s.data.crop is not None and s.data.crop > min(p["height"], p["width"]):
-        raise PSError(f"crop {s.data.crop} is larger than the store's {p['height']}x{p['width']} frames")
     if s.model.registry_reference() is not None:
         raise PSError(
             f"--model.weights {s.model.weights}: the parameter-server job does not fetch registry versions; fetch it "
             "with clipforge registry pull NAME@REF --to DIR and give DIR/model.safetensors"
         )
-    s.model.adopt_start()  # a finished run or an imported model brings its architecture
-    size = s.data.crop or p["height"]
-    arch = architecture(s.model.name, len(store.classes), p["clip_frames"], size, **s.model.overrides())
-    problem = arch.input.problem(p["clip_frames"], size, s.data.crop or p["width"])
-    if problem:
-        raise PSError(f"model {s.model.name} {problem}")
-    return store, arch
+    inputs = resolve_inputs(s.model, s.data, try_weights=True)  # a run or an imported model brings its architecture
+    return inputs.store, inputs.arch
 
 
 def _record(

@@ -194,8 +194,11 @@ class ShardServer:
             self.live.add(trainer)
             log.warning(
                 "server %d: %s is back after %.0f s; taken back, %d trainer(s) live",
-                self.index, trainer, now - self.last_seen[trainer], len(self.live),
-            )  # fmt: skip
+                self.index,
+                trainer,
+                now - self.last_seen[trainer],
+                len(self.live),
+            )
         self.last_seen[trainer] = now
 
     def _drop(self, trainer: str, why: str) -> None:

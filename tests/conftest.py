@@ -210,15 +210,25 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if "time_limited" in needs:
         request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
     if "trained" in needs:
-        work.start("trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
-                   request.getfixturevalue("tiny_store"), helpers.EARLY_TRAININGS)  # fmt: skip
+        work.start(
+            "trainings",
+            helpers.trainings,
+            request.getfixturevalue("mpiexec"),
+            request.getfixturevalue("tiny_store"),
+            helpers.EARLY_TRAININGS,
+        )
     if "non_iid" in needs:  # after the trainings, which test_evaluate.py waits for: test_fl.py checks it later
         work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
         work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
     if "late_trained" in needs:
-        work.start("late-trainings", helpers.trainings, request.getfixturevalue("mpiexec"),
-                   request.getfixturevalue("tiny_store"), helpers.LATE_TRAININGS)  # fmt: skip
+        work.start(
+            "late-trainings",
+            helpers.trainings,
+            request.getfixturevalue("mpiexec"),
+            request.getfixturevalue("tiny_store"),
+            helpers.LATE_TRAININGS,
+        )
     if "few_labels" in needs:  # last: test_pretrain_few_labels.py checks it at the end
         work.start("few-labels", few_labels.few_labels, request.getfixturevalue("mpiexec"))
     yield work
@@ -238,8 +248,9 @@ def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submi
     limits = options(cluster="dev", ntasks_per_node=1, wait=False, time=1, signal_delay_s=40, max_requeues=1)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("CLIPFORGE_JOBS_DIR", str(root / "jobs"))
-        job = run_script("clipforge.jobs.selftest", limits + options(steps=100000, step_seconds=0.5,
-                                                                      state_dir=root / "state"))  # fmt: skip
+        job = run_script(
+            "clipforge.jobs.selftest", limits + options(steps=100000, step_seconds=0.5, state_dir=root / "state")
+        )
     return job, root / "state"
 
 

@@ -107,8 +107,20 @@ def non_iid(early: Early, mpiexec: list[str]) -> dict[str, Path]:
     root = early.root / "non-iid"
     synthetic.make_corpus(root / "videos", videos_per_class=16, frames=(40, 60))
     store = root / "store"
-    packing = pack_argv(mpiexec, 2, root / "videos", store, clip_frames=8, frame_stride=2, height=32, width=32,
-                        clips_per_video=4, split__train=0.25, split__val=0.75, split__test=0.0)  # fmt: skip
+    packing = pack_argv(
+        mpiexec,
+        2,
+        root / "videos",
+        store,
+        clip_frames=8,
+        frame_stride=2,
+        height=32,
+        width=32,
+        clips_per_video=4,
+        split__train=0.25,
+        split__val=0.75,
+        split__test=0.0,
+    )
     warm = federation_argv(store, root / "start", "--rounds", "1", "--local-epochs", "20", clients=1)
     for name, argv in (("non-iid-pack", packing), ("non-iid-start", warm)):
         assert early.process(name, argv).wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
@@ -117,7 +129,7 @@ def non_iid(early: Early, mpiexec: list[str]) -> dict[str, Path]:
         name: early.process(
             f"non-iid-{name}",
             federation_argv(store, root / name, *NON_IID, *extra, "--model.weights", str(root / "start"), clients=3),
-        )  # fmt: skip
+        )
         for name, extra in sides.items()
     }
     for name, process in started.items():
@@ -150,7 +162,7 @@ HOSTILE = {
             "1.0",
         ],
         {2: "huge"},
-    ),  # fmt: skip
+    ),
     # Four honest clients and one that sends +1000 (finite, the right shapes: only the aggregation can stop it).
     "trimmed": (5, ["--outside", "1", "--min-clients", "5", "--aggregation", "trimmed-mean"], {4: "huge"}),
 }
@@ -186,8 +198,13 @@ def rogue_node(early: Early, run: Path) -> Path:
     flwr = Path(sys.executable).parent / "flwr"
     env = dict(early.env, FLWR_HOME=str(home))
     public = certs.client_public_key(keys, 0)
-    subprocess.run([str(flwr), "supernode", "register", str(public), "federation"], env=env, check=True,
-                   capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [str(flwr), "supernode", "register", str(public), "federation"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     address = next(line.split('"')[1] for line in (home / "config.toml").read_text().splitlines() if "address" in line)
     argv = [f"{Path(sys.executable).parent}/flower-supernode", "--superlink", address]
     argv += ["--root-certificates", str(run / "certs" / "ca.crt"), "--auth-supernode-private-key"]
@@ -211,8 +228,9 @@ def hostile(early: Early, store: Path, name: str) -> Path:
     sites = []
     for index, attack in attacks.items():
         env = dict(early.env, PYTHONPATH=str(HOSTILE_DIR), CLIPFORGE_ATTACK=attack)
-        sites.append(early.process(f"{name}-site-{index}", join_argv(run, index, store, f"127.0.0.1:{port}", clients),
-                                   env))  # fmt: skip
+        sites.append(
+            early.process(f"{name}-site-{index}", join_argv(run, index, store, f"127.0.0.1:{port}", clients), env)
+        )
     try:
         assert process.wait(timeout=1800) == 0, (early.root / f"{name}.log").read_text()[-3000:]
     finally:

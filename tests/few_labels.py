@@ -31,8 +31,9 @@ def few_labels(early: Early, mpiexec: list[str]) -> dict[str, Path]:
     root = early.root / "few-labels"
     pool, labelled = manifests(make_videos(root / "videos", 30, textured=True), root, 0.1)
     for manifest in (pool, labelled):
-        process = early.process(f"few-labels-pack-{manifest.stem}", pack_argv(mpiexec, 2, manifest,
-                                root / manifest.stem, *CLIPS))  # fmt: skip
+        process = early.process(
+            f"few-labels-pack-{manifest.stem}", pack_argv(mpiexec, 2, manifest, root / manifest.stem, *CLIPS)
+        )
         assert process.wait(timeout=600) == 0, (early.root / f"few-labels-pack-{manifest.stem}.log").read_text()[-3000:]
     env, runs = early.own_extensions(), {}
 
@@ -45,7 +46,14 @@ def few_labels(early: Early, mpiexec: list[str]) -> dict[str, Path]:
 
     run("pretrained", "pool", PRETRAIN_STEPS, 0, *MODEL, *pretraining("random", norm_pixels=False))
     for seed in SEEDS:
-        run(f"fine-tuned-{seed}", "labelled", FINE_TUNE_STEPS, seed, "--model.weights", str(runs["pretrained"]),
-            *FINE_TUNING)  # fmt: skip
+        run(
+            f"fine-tuned-{seed}",
+            "labelled",
+            FINE_TUNE_STEPS,
+            seed,
+            "--model.weights",
+            str(runs["pretrained"]),
+            *FINE_TUNING,
+        )
         run(f"from-scratch-{seed}", "labelled", FINE_TUNE_STEPS, seed, *MODEL, *FINE_TUNING)
     return runs

@@ -120,13 +120,30 @@ def ps_argv(store: Path, run: Path, servers: int, trainers: int, *extra: str, mo
 PS_SYNC_STEPS, PS_SYNC_LR = 4, 0.05
 """The synchronous run's steps and learning rate, which test_ps.py replays as data-parallel SGD."""
 PS_EARLY: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "async": (1, 2, ("--trainer.steps", "40", "--trainer.log-every", "1", "--server.optimizer", "adamw",
-                     "--server.lr", "0.001")),
+    "async": (
+        1,
+        2,
+        ("--trainer.steps", "40", "--trainer.log-every", "1", "--server.optimizer", "adamw", "--server.lr", "0.001"),
+    ),
     "two-servers": (2, 2, ("--trainer.steps", "6")),
     "sync": (1, 2, ("--server.mode", "sync", "--trainer.steps", str(PS_SYNC_STEPS), "--server.lr", str(PS_SYNC_LR))),
-    "ssp": (1, 2, ("--server.mode", "ssp", "--server.staleness", "1", "--trainer.steps", "16",
-                   "--trainer.slow-trainer", "1", "--trainer.slow-factor", "4")),
-}  # fmt: skip
+    "ssp": (
+        1,
+        2,
+        (
+            "--server.mode",
+            "ssp",
+            "--server.staleness",
+            "1",
+            "--trainer.steps",
+            "16",
+            "--trainer.slow-trainer",
+            "1",
+            "--trainer.slow-factor",
+            "4",
+        ),
+    ),
+}
 """The parameter-server runs of test_ps.py that are only read once finished: name -> (servers, trainers, flags)."""
 
 
@@ -253,8 +270,14 @@ def low_priority(argv: list[str], log: Path, env: dict[str, str] | None = None) 
     its group: the group's own nice (set once the child is in its session) ranks it beside the others.
     """
     with open(log, "w") as out:
-        process = subprocess.Popen(["nice", "-n", str(EARLY_NICE), *argv], stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            ["nice", "-n", str(EARLY_NICE), *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     with contextlib.suppress(OSError):
         Path(f"/proc/{process.pid}/autogroup").write_text(str(EARLY_NICE))
     return process
@@ -368,8 +391,19 @@ MAE = ["--objective", "mae", "--mae.decoder-depth", "1", "--mae.no-norm-pixels",
 MAE += ["--optim.warmup-steps", "2", "--eval-every", "15", "--checkpoint-every", "10", "--data.workers", "0"]
 """test_pretrain.py's pretraining (on raw pixels: see its last test), evaluated twice and checkpointed at step 10."""
 MAE_STEPS = 30
-RESHARDED = ("--parallel.zero-stage", "2", "--checkpoint-every", "4", "--batch-per-rank", "2", "--elastic-min-nodes",
-             "1", "--epochs", "1.25", *LOCAL)  # fmt: skip
+RESHARDED = (
+    "--parallel.zero-stage",
+    "2",
+    "--checkpoint-every",
+    "4",
+    "--batch-per-rank",
+    "2",
+    "--elastic-min-nodes",
+    "1",
+    "--epochs",
+    "1.25",
+    *LOCAL,
+)
 """The flags of test_train.py's run that 4 ranks start and 2 ranks resume: 1.25 epochs of the tiny store's 72 clips
 in global batches of 8 are 12 steps (a restart on 2 ranks once counted them in batches of 4: 23)."""
 LATE_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
@@ -408,10 +442,13 @@ def ps_runs(early: Early, store: Path) -> dict[str, Path]:
     for name, (servers, trainers, extra) in PS_EARLY.items():
         runs[name] = early.root / "ps" / name
         procs = [
-            early.process(f"ps-{name}-rank{rank}", ps_argv(store, runs[name], servers, trainers, *extra),
-                          {**early.env, **dist.as_environ()})
+            early.process(
+                f"ps-{name}-rank{rank}",
+                ps_argv(store, runs[name], servers, trainers, *extra),
+                {**early.env, **dist.as_environ()},
+            )
             for rank, dist in enumerate(local_world(servers + trainers))
-        ]  # fmt: skip
+        ]
         for rank, process in enumerate(procs):
             assert process.wait(timeout=600) == 0, (early.root / f"ps-{name}-rank{rank}.log").read_text()[-3000:]
     return runs

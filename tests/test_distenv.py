@@ -124,8 +124,15 @@ def test_a_master_port_that_is_no_port_number_is_refused_in_one_line(value: str)
     slurm = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
     for env in ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}, {}, {"SUBMITIT_LOCAL_JOB_ID": "7"}):
         with pytest.raises(LaunchError, match=f"MASTER_PORT='{value}' is not a port number: set it to a free"):
-            dist_env({**env, "MASTER_PORT": value, "SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_NTASKS": "1",
-                      "SUBMITIT_LOCAL_LOCALID": "0"})  # fmt: skip
+            dist_env(
+                {
+                    **env,
+                    "MASTER_PORT": value,
+                    "SUBMITIT_LOCAL_GLOBALID": "0",
+                    "SUBMITIT_LOCAL_NTASKS": "1",
+                    "SUBMITIT_LOCAL_LOCALID": "0",
+                }
+            )
     with pytest.raises(LaunchError, match="is not a port number"):
         local_port({"MASTER_PORT": value})
     # 0 is a port number (the system picks one), and a Slurm step derives its port from the job id, never reading

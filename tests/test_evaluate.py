@@ -194,9 +194,11 @@ def test_sbatch_of_predict_spreads_a_manifest_over_two_slurm_tasks(
     out = tmp_path / "predictions.jsonl"
     script = Path(__file__).resolve().parents[1] / "jobs" / "predict.py"
     result = sbatch_wait(
-        "--ntasks-per-node=2", f"--output={tmp_path / 'slurm-%j.out'}", str(script),
+        "--ntasks-per-node=2",
+        f"--output={tmp_path / 'slurm-%j.out'}",
+        str(script),
         *options(manifest=manifest, out=out, run=cropped_run, workers=0),
-    )  # fmt: skip
+    )
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert result.returncode != 0, result.stderr + log[-3000:]  # two of the videos cannot be classified
     assert "clipforge: error: 2 of " in log and "Traceback" not in log, log[-3000:]

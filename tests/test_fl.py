@@ -156,8 +156,9 @@ def resumed(slurm, tiny_store: Path, early) -> tuple[Path, list]:
     run = early.result("killed")
     where = ["--data.store", str(tiny_store), "--run-dir", str(run), "--clients", "2", "--rounds", "2", *TINY]
     where += ["--eval-every", "2"]
-    return run, run_script("clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3",
-                                                        *where])  # fmt: skip
+    return run, run_script(
+        "clipforge.jobs.fl_train", ["--cluster", "dev", "--wait", "True", "--ntasks-per-node", "3", *where]
+    )
 
 
 def test_a_federation_killed_after_a_round_resumes_there_as_a_slurm_job_of_a_task_per_client(resumed) -> None:
@@ -370,23 +371,22 @@ def test_client_level_dp_adds_the_configured_noise_and_reports_the_accountants_e
 
 
 def test_a_privacy_budget_stops_the_federation_at_its_last_round_within_it(tiny_store: Path) -> None:
-    from clipforge.jobs import config as job_config
     from clipforge.jobs import fl_train
-    from clipforge.ps import privacy
+    from clipforge.ps import federation, privacy
 
     base = ["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp.noise-multiplier", "1.0"]
     target = (privacy.epsilon(1.0, 1.0, 2, 1e-5) + privacy.epsilon(1.0, 1.0, 3, 1e-5)) / 2  # between rounds 2 and 3
     cfg = fl_train.parse([*base, "--dp.target-epsilon", str(target)])
     fl_train.check(cfg)
-    assert fl_train.plan(cfg).rounds == 2
+    assert federation.plan(cfg).rounds == 2
     too_small = fl_train.parse([*base, "--dp.target-epsilon", "0.01"])
-    with pytest.raises(job_config.ConfigError, match="one round already spends epsilon"):
+    with pytest.raises(federation.FederationError, match="one round already spends epsilon"):
         fl_train.check(too_small)
     # A budget alone: the least noise that spends it over all the rounds.
     alone = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--rounds", "5", "--dp.target-epsilon", "4"])
-    z = fl_train.noise_multiplier(alone)
+    z = federation.noise_multiplier(alone)
     assert privacy.epsilon(z, 1.0, 5, 1e-5) <= 4 < privacy.epsilon(0.99 * z, 1.0, 5, 1e-5)
-    assert fl_train.plan(alone).rounds == 5 and fl_train.plan(alone).dp_noise_multiplier == z
+    assert federation.plan(alone).rounds == 5 and federation.plan(alone).dp_noise_multiplier == z
 
 
 def test_on_clients_split_by_class_fedprox_reaches_fedavg_and_both_beat_a_client_alone(non_iid) -> None:
@@ -452,8 +452,17 @@ def test_a_federation_starts_from_downloaded_weights_and_a_finished_run_brings_i
     assert (cfg.model.name, cfg.model.depth, cfg.model.tubelet) == ("videovit-tiny", 2, (2, 8, 8))
     assert cfg.model.weights == run / "final" / "model.safetensors"
     # Weights that do not fit the model asked for, or no weights there, are refused in one line before anything.
-    other = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--model.depth", "1",
-                            "--model.weights", str(run.parent / "start.safetensors")])  # fmt: skip
+    other = fl_train.parse(
+        [
+            "--data.store",
+            str(tiny_store),
+            *TINY,
+            "--model.depth",
+            "1",
+            "--model.weights",
+            str(run.parent / "start.safetensors"),
+        ]
+    )
     with pytest.raises(ModelError, match="start.safetensors does not fit the model"):
         fl_train.check(other)
     missing = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--model.weights", str(run / "nothing")])
@@ -462,20 +471,20 @@ def test_a_federation_starts_from_downloaded_weights_and_a_finished_run_brings_i
 
 
 def test_a_task_count_that_is_neither_one_nor_one_per_client_is_refused(tiny_store: Path) -> None:
-    from clipforge.jobs import config as job_config
     from clipforge.jobs import fl_train
+    from clipforge.ps import federation
 
     cfg = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--clients", "3", "--nodes", "2"])
-    with pytest.raises(job_config.ConfigError, match="2 tasks for 3 clients.*--nodes 4 --ntasks-per-node 1"):
+    with pytest.raises(federation.FederationError, match="2 tasks for 3 clients.*--nodes 4 --ntasks-per-node 1"):
         fl_train.check(cfg)
 
 
 def test_a_proximal_pull_past_the_global_model_is_refused(tiny_store: Path) -> None:
-    from clipforge.jobs import config as job_config
     from clipforge.jobs import fl_train
+    from clipforge.ps import federation
 
     cfg = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--lr", "0.01", "--proximal-mu", "200"])
-    with pytest.raises(job_config.ConfigError, match="--proximal-mu 200 with --lr 0.01.*--proximal-mu 100 or less"):
+    with pytest.raises(federation.FederationError, match="--proximal-mu 200 with --lr 0.01.*--proximal-mu 100 or less"):
         fl_train.check(cfg)
 
 
@@ -566,27 +575,27 @@ def test_opacus_per_clip_gradients_of_videovit_are_autograds_for_each_clip_alone
 
 
 def test_dp_sgd_with_a_batchnorm_model_is_refused_in_one_line(tiny_store: Path) -> None:
-    from clipforge.jobs import config as job_config
     from clipforge.jobs import fl_train
+    from clipforge.ps import federation
 
     argv = ["--data.store", str(tiny_store), "--model.name", "r2plus1d_18", "--dp.sample-noise-multiplier", "1"]
-    with pytest.raises(job_config.ConfigError, match="Opacus cannot train it with DP-SGD .BatchNorm.*videovit"):
+    with pytest.raises(federation.FederationError, match="Opacus cannot train it with DP-SGD .BatchNorm.*videovit"):
         fl_train.check(fl_train.parse(argv))
 
 
 def test_a_robust_aggregation_with_secagg_or_dp_and_a_wrong_count_of_client_examples_are_refused(
     tiny_store: Path,
 ) -> None:
-    from clipforge.jobs import config as job_config
     from clipforge.jobs import fl_train
+    from clipforge.ps import federation
 
     base = ["--data.store", str(tiny_store), *TINY, "--aggregation", "median"]
     for extra in (["--secagg"], ["--dp.noise-multiplier", "1"]):
-        with pytest.raises(job_config.ConfigError, match="--aggregation median needs each update in the clear"):
+        with pytest.raises(federation.FederationError, match="--aggregation median needs each update in the clear"):
             fl_train.check(fl_train.parse([*base, *extra]))
     wrong = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--clients", "3", "--client-examples", "10", "20"])
-    with pytest.raises(job_config.ConfigError, match="give one positive count per client .3."):
+    with pytest.raises(federation.FederationError, match="give one positive count per client .3."):
         fl_train.check(wrong)
     given = fl_train.parse(["--data.store", str(tiny_store), *TINY, "--client-examples", "10", "30"])
     fl_train.check(given)
-    assert fl_train.plan(given).examples == [10.0, 30.0]
+    assert federation.plan(given).examples == [10.0, 30.0]

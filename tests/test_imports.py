@@ -28,10 +28,20 @@ FRAMES, SIZE = 4, 32
 def small_config(**extra):
     """A VideoMAE at videovit-tiny's width (192, 3 heads, MLP 768), 2 layers, 4 frames of 32 px in 2x8x8 tubelets."""
     values = dict(
-        image_size=SIZE, patch_size=8, num_frames=FRAMES, tubelet_size=2, hidden_size=192, num_hidden_layers=2,
-        num_attention_heads=3, intermediate_size=768, num_labels=5, decoder_hidden_size=96,
-        decoder_num_hidden_layers=1, decoder_num_attention_heads=3, decoder_intermediate_size=384,
-    )  # fmt: skip
+        image_size=SIZE,
+        patch_size=8,
+        num_frames=FRAMES,
+        tubelet_size=2,
+        hidden_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=768,
+        num_labels=5,
+        decoder_hidden_size=96,
+        decoder_num_hidden_layers=1,
+        decoder_num_attention_heads=3,
+        decoder_intermediate_size=384,
+    )
     values.update(extra)
     return transformers.VideoMAEConfig(**values)
 
@@ -79,8 +89,13 @@ def videomae_layout(hf_state: dict[str, torch.Tensor], layers: int) -> dict[str,
         a = hf + "attention.attention."
         out[vm + "attn.qkv.weight"] = torch.cat([hf_state[a + n + ".weight"] for n in ("query", "key", "value")])
         out[vm + "attn.q_bias"], out[vm + "attn.v_bias"] = hf_state[a + "query.bias"], hf_state[a + "value.bias"]
-        pairs = [("attn.proj", "attention.output.dense"), ("norm1", "layernorm_before"), ("norm2", "layernorm_after"),
-                 ("mlp.fc1", "intermediate.dense"), ("mlp.fc2", "output.dense")]  # fmt: skip
+        pairs = [
+            ("attn.proj", "attention.output.dense"),
+            ("norm1", "layernorm_before"),
+            ("norm2", "layernorm_after"),
+            ("mlp.fc1", "intermediate.dense"),
+            ("mlp.fc2", "output.dense"),
+        ]
         for ours, theirs in pairs:
             for kind in ("weight", "bias"):
                 out[f"{vm}{ours}.{kind}"] = hf_state[f"{hf}{theirs}.{kind}"]
@@ -164,13 +179,18 @@ def test_keys_that_do_not_map_are_refused_in_one_line_naming_them(tmp_path: Path
     state["blocks.0.attn.relative_position_bias_table"] = torch.zeros(3)
     torch.save({"module": state}, tmp_path / "odd.pth")
     argv = [sys.executable, "-m", "clipforge.jobs.cli", "models", "import", str(tmp_path / "odd.pth")]
-    result = subprocess.run([*argv, "--from", "videomae", "--name", "x", "--out", str(tmp_path)], capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(
+        [*argv, "--from", "videomae", "--name", "x", "--out", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "blocks.0.attn.relative_position_bias_table: no place for it" in result.stderr, result.stderr
     assert not (tmp_path / "x" / "final").exists()
     (tmp_path / "code.pth").write_bytes(b"\x80\x04cos\nsystem\n.")  # a pickle that would run code
-    result = subprocess.run([*argv[:-1], str(tmp_path / "code.pth"), "--from", "videomae", "--name", "y"],
-                            capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    result = subprocess.run(
+        [*argv[:-1], str(tmp_path / "code.pth"), "--from", "videomae", "--name", "y"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode != 0 and "not a checkpoint loadable without running code" in result.stderr
     assert json.dumps(result.stderr).count("\\n") <= 2  # one line

@@ -321,9 +321,13 @@ def test_packing_with_ranks_on_three_nodes_gives_the_one_node_store(
     out = tmp_path / "store"
     flags = options(videos=corpus, out=out, clip_frames=8, height=32, width=32, clips_per_video=3, max_shard_clips=12)
     result = sbatch_wait(
-        "-N3", "--ntasks-per-node=1", f"--output={tmp_path / 'slurm.out'}", str(PACK_SCRIPT), *flags,
+        "-N3",
+        "--ntasks-per-node=1",
+        f"--output={tmp_path / 'slurm.out'}",
+        str(PACK_SCRIPT),
+        *flags,
         env=multinode_env(multinode),
-    )  # fmt: skip
+    )
     log = (tmp_path / "slurm.out").read_text()
     assert result.returncode == 0, log[-3000:]
     assert "re-launching under srun with 3 tasks" in log

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from clipforge.models.builders import create_model, start_from
 from clipforge.rundir import RunDir
-from clipforge.train.settings import ModelSettings
+from clipforge.train.inputs import ModelSettings
 
 from .helpers import MAE, MAE_STEPS, TINY, losses, train, wait_for_checkpoint
 

@@ -33,8 +33,9 @@ def start(
     for rank, dist in enumerate(local_world(servers + trainers)):
         log = open(run.parent / f"{run.name}-rank{rank}.log", "w")
         argv = ps_argv(store, run, servers, trainers, *extra, model=model)
-        procs.append(subprocess.Popen(argv, env={**os.environ, **dist.as_environ()}, stdout=log,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            subprocess.Popen(argv, env={**os.environ, **dist.as_environ()}, stdout=log, stderr=subprocess.STDOUT)
+        )
     return procs
 
 

@@ -37,8 +37,9 @@ def test_a_local_job_whose_rendezvous_port_is_taken_says_so_and_stops_its_other_
         taken.listen()  # rank 0 cannot listen here; rank 1 connects, and would wait for its 120 s timeout
         port = taken.getsockname()[1]
         argv = [sys.executable, "-m", "clipforge.jobs.selftest", "--executor", "local", "--ntasks-per-node", "2"]
-        result = subprocess.run(argv, env={**os.environ, "MASTER_PORT": str(port)}, capture_output=True, text=True,
-                                timeout=100)  # fmt: skip
+        result = subprocess.run(
+            argv, env={**os.environ, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=100
+        )
     assert result.returncode != 0
     assert f"cannot listen on port {port} for the rendezvous: another process has it" in result.stderr
     assert "task 0 failed; stopping its other tasks" in result.stderr and "Traceback" not in result.stderr
@@ -65,8 +66,9 @@ def test_a_job_given_an_earlier_jobs_id_gets_its_own_result_and_logs(slurm, jobs
     folder = jobs_dir / result["job_id"]
     assert "an earlier job's log" not in (folder / f"{result['job_id']}_0_log.err").read_text()
     (aside,) = folder.glob("earlier-*")
-    assert sorted(p.name for p in aside.iterdir()) == sorted([f"{result['job_id']}_0_log.err",
-                                                              f"{result['job_id']}_0_result.pkl"])  # fmt: skip
+    assert sorted(p.name for p in aside.iterdir()) == sorted(
+        [f"{result['job_id']}_0_log.err", f"{result['job_id']}_0_result.pkl"]
+    )
 
 
 def test_jobs_status_logs_and_cancel_from_the_command_line(tmp_path: Path) -> None:

@@ -286,8 +286,18 @@ def test_at_a_thousand_classes_an_evaluation_row_keeps_its_scalars_and_the_confu
     per_class = dict.fromkeys(classes, 0.5)
     run = RunDir(tmp_path / "run")
     run.append_metrics({"kind": "train", "step": 1, "loss": 2.0})
-    run.append_metrics({"kind": "eval", "step": 1, "split": "val", "loss": 1.0, "clip_top1": 0.5, "video_top1": 0.5,
-                        "confusion": confusion, "per_class_accuracy": per_class})  # fmt: skip
+    run.append_metrics(
+        {
+            "kind": "eval",
+            "step": 1,
+            "split": "val",
+            "loss": 1.0,
+            "clip_top1": 0.5,
+            "video_top1": 0.5,
+            "confusion": confusion,
+            "per_class_accuracy": per_class,
+        }
+    )
     (row,) = run.metrics("eval")
     assert row == {"kind": "eval", "step": 1, "split": "val", "loss": 1.0, "clip_top1": 0.5, "video_top1": 0.5}
     assert (tmp_path / "run" / "metrics.jsonl").stat().st_size < 1000  # 2.9 MiB with the matrix

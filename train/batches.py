@@ -14,8 +14,8 @@ from clipforge.models.clips import mix_batch, random_crop_flip
 from clipforge.preprocess.jpeg import decode_jpeg_batch
 from clipforge.preprocess.reader import ClipDataset, collate_encoded
 
+from .inputs import DataSettings
 from .sampler import StepSampler
-from .settings import DataSettings
 from .throughput import Throughput
 
 Batch = tuple[torch.Tensor, torch.Tensor]

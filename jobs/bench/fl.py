@@ -192,8 +192,9 @@ def weight_bytes(store: Path) -> int:
     from clipforge.preprocess.store import ClipStore
 
     s = ClipStore.open(store)
-    arch = architecture("videovit-tiny", len(s.classes), s.params["clip_frames"], s.params["height"], depth=2,
-                        tubelet=(2, 8, 8))  # fmt: skip
+    arch = architecture(
+        "videovit-tiny", len(s.classes), s.params["clip_frames"], s.params["height"], depth=2, tubelet=(2, 8, 8)
+    )
     return sum(v.numel() * 4 for v in arch.build(seed=0).state_dict().values())
 
 
@@ -208,8 +209,9 @@ def alone(store: Path, epochs: int, seed: int) -> dict:
     from clipforge.ps.worker import Augment, partition
 
     s = ClipStore.open(store)
-    model = architecture("videovit-tiny", len(s.classes), s.params["clip_frames"], 48, depth=4,
-                         tubelet=(4, 16, 16)).build(seed=seed)  # fmt: skip
+    model = architecture(
+        "videovit-tiny", len(s.classes), s.params["clip_frames"], 48, depth=4, tubelet=(4, 16, 16)
+    ).build(seed=seed)
     train, val = ClipDataset(s, "train"), ClipDataset(s, "val")
     share = partition(train.labels, 3, "by_class", seed)[0]
     scores = []

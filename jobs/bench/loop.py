@@ -234,11 +234,26 @@ def cases(cfg: Config, work: Path) -> list[Case]:
             for compiled in compiles:
                 found.append(
                     Case(
-                        model, depth, frames, size, stored, batch, compiled, cfg.zero_stage, cfg.bf16_mode,
-                        cfg.codec, cfg.decode, workers, cfg.warmup, cfg.window, cfg.rounds, cfg.checkpoints,
-                        str(store), str(work / f"run-{len(found)}"),
+                        model,
+                        depth,
+                        frames,
+                        size,
+                        stored,
+                        batch,
+                        compiled,
+                        cfg.zero_stage,
+                        cfg.bf16_mode,
+                        cfg.codec,
+                        cfg.decode,
+                        workers,
+                        cfg.warmup,
+                        cfg.window,
+                        cfg.rounds,
+                        cfg.checkpoints,
+                        str(store),
+                        str(work / f"run-{len(found)}"),
                     )
-                )  # fmt: skip
+                )
     return found
 
 

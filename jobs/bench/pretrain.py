@@ -151,14 +151,25 @@ def main(cfg: Config) -> None:
                 if f not in scratch:
                     sides["from scratch"] = MODEL
                 for side in list(sides) if (p + f) % 2 == 0 else list(reversed(sides)):
-                    got = train(labelled, work / f"{side}-{p}-{f}".replace(" ", "-"), cfg.fine_tune_steps, f,
-                                *sides[side], *FINE_TUNING)  # fmt: skip
+                    got = train(
+                        labelled,
+                        work / f"{side}-{p}-{f}".replace(" ", "-"),
+                        cfg.fine_tune_steps,
+                        f,
+                        *sides[side],
+                        *FINE_TUNING,
+                    )
                     (tuned.setdefault(p, {}) if side == "fine-tuned" else scratch)[f] = got
-                    print(f"  pretraining {p}, seed {f}: {side} video top-1 {got['video_top1']:.3f}", file=sys.stderr,
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  pretraining {p}, seed {f}: {side} video top-1 {got['video_top1']:.3f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
-    ratio = [pretrained[p]["clips_per_s"] / statistics.median(r["clips_per_s"] for r in tuned[p].values())
-             for p in pretrained]  # fmt: skip
+    ratio = [
+        pretrained[p]["clips_per_s"] / statistics.median(r["clips_per_s"] for r in tuned[p].values())
+        for p in pretrained
+    ]
     print(
         f"\nvideovit-tiny depth 4, 8x32x32 clips in 2x8x8 tubelets (64 tokens), batch 8, 1 process; "
         f"{cfg.repeats} pretrainings of {cfg.pretrain_steps} steps ({'normalised' if cfg.norm_pixels else 'raw'} "
@@ -169,8 +180,10 @@ def main(cfg: Config) -> None:
     print(f"{'run':<34} {'clips/s':>8} {'vs fine-tuning':>15} {'min-max':>11}")
     pre_s = [r["clips_per_s"] for r in pretrained.values()]
     fine_s = [r["clips_per_s"] for runs in tuned.values() for r in runs.values()]
-    print(f"{'pretraining (mask 0.9, decoder 4)':<34} {statistics.median(pre_s):8.1f} "
-          f"{statistics.median(ratio):14.2f}x {spread(ratio):>11}")  # fmt: skip
+    print(
+        f"{'pretraining (mask 0.9, decoder 4)':<34} {statistics.median(pre_s):8.1f} "
+        f"{statistics.median(ratio):14.2f}x {spread(ratio):>11}"
+    )
     print(f"{'fine-tuning (all tokens)':<34} {statistics.median(fine_s):8.1f}")
     print(
         f"\nvideo top-1 on {cfg.videos_per_class * 6 * 3 // 10} validation videos, {cfg.fine_tune_steps} steps on "
@@ -183,11 +196,16 @@ def main(cfg: Config) -> None:
     for p in pretrained:
         diffs = [tuned[p][f]["video_top1"] - scratch[f]["video_top1"] for f in seeds]
         gain += diffs
-        print(f"{'pretraining ' + str(p):<16}" + "".join(f"{tuned[p][f]['video_top1']:9.3f}" for f in seeds)
-              + f"{statistics.median(diffs):+13.3f}{sum(d > 0 for d in diffs):>5}/{len(diffs)}")  # fmt: skip
-    print(f"\nall {len(gain)} pairs: median difference {statistics.median(gain):+.3f} (min {min(gain):+.3f}, max "
-          f"{max(gain):+.3f}); fine-tuned above from scratch in {sum(d > 0 for d in gain)}, below in "
-          f"{sum(d < 0 for d in gain)}")  # fmt: skip
+        print(
+            f"{'pretraining ' + str(p):<16}"
+            + "".join(f"{tuned[p][f]['video_top1']:9.3f}" for f in seeds)
+            + f"{statistics.median(diffs):+13.3f}{sum(d > 0 for d in diffs):>5}/{len(diffs)}"
+        )
+    print(
+        f"\nall {len(gain)} pairs: median difference {statistics.median(gain):+.3f} (min {min(gain):+.3f}, max "
+        f"{max(gain):+.3f}); fine-tuned above from scratch in {sum(d > 0 for d in gain)}, below in "
+        f"{sum(d < 0 for d in gain)}"
+    )
     print("\ngoal: pretraining >= 3x the clips/s of fine-tuning on a GPU; fine-tuned above from scratch")
     print(json.dumps({"ratio": ratio, "gain": gain}), file=sys.stderr)
 

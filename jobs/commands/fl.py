@@ -79,8 +79,9 @@ def _join(args: argparse.Namespace, rest: list[str]) -> int:
         index, parts = int(first), int(second)
     config = {"store": str(args.store.resolve()), "split": args.split, "partition-id": index}
     config.update({"num-partitions": parts, "partition": "iid", "seed": args.seed})
-    node = SuperNode(0, args.key.resolve(), args.cert.resolve(), args.ca.resolve(), args.superlink, config, None,
-                     args.work.resolve())  # fmt: skip
+    node = SuperNode(
+        0, args.key.resolve(), args.cert.resolve(), args.ca.resolve(), args.superlink, config, None, args.work.resolve()
+    )
     try:
         try:
             node.wait_ready()

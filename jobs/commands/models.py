@@ -37,8 +37,10 @@ def _import(args: argparse.Namespace, rest: list[str]) -> int:
     )
     kind = "encoder (pretraining, no classifier)" if imported.encoder_only else f"{len(imported.classes)} classes"
     arch = ", ".join(f"{k} {v}" for k, v in imported.overrides.items())
-    print(f"imported {args.path} ({args.source}) as {imported.model} [{arch}], {kind}, "
-          f"{imported.frames}x{imported.image_size}x{imported.image_size} clips")  # fmt: skip
+    print(
+        f"imported {args.path} ({args.source}) as {imported.model} [{arch}], {kind}, "
+        f"{imported.frames}x{imported.image_size}x{imported.image_size} clips"
+    )
     for note in imported.notes:
         print(f"  {note}")
     print(f"  weights   {weights}")
