@@ -67,7 +67,7 @@ class Config:
     split: str = "test"
     """Split of the store."""
     views: Views = dataclasses.field(default_factory=Views)
-    batch: int = 16
+    views_per_pass: int = 16
     """Views per forward pass."""
     workers: int = 1
     """Processes per rank reading (or decoding) the next videos while the model runs."""
@@ -92,8 +92,10 @@ def prepared(cfg: Config) -> tuple[RunDir, RunRecord, ClipStore, Views]:
     if store.classes != record.classes:
         raise config.ConfigError(f"the store's classes {store.classes} are not the run's {record.classes}")
     StoredVideos(store, cfg.split)  # the split exists
-    if cfg.batch < 1 or cfg.workers < 0:
-        raise config.ConfigError(f"batch must be at least 1 and workers 0 or more, got {cfg.batch} and {cfg.workers}")
+    if cfg.views_per_pass < 1 or cfg.workers < 0:
+        raise config.ConfigError(
+            f"views_per_pass must be at least 1 and workers 0 or more, got {cfg.views_per_pass} and {cfg.workers}"
+        )
     views = cfg.views.check(record.crop, store.params["height"], store.params["width"])
     if views.source == "store" and cfg.videos_root is not None:
         raise config.ConfigError(
@@ -123,7 +125,7 @@ def main(cfg: Config) -> dict | None:
     forward = inference(model, device, cfg.precision)
     started = time.perf_counter()  # after start-up: the process, the model and its weights are ready
     metrics = evaluate_videos_on_ranks(
-        forward, videos, record.classes, record.crop, views, cfg.batch, device, cfg.workers, progress.update
+        forward, videos, record.classes, record.crop, views, cfg.views_per_pass, device, cfg.workers, progress.update
     )
     seconds = time.perf_counter() - started
     progress.close()

@@ -3,7 +3,7 @@
 
     python jobs/gpu_check.py                       # on a GPU: videovit-base, 16x224x224, 40 steps (< 8 min)
     python jobs/gpu_check.py --out gpu-check.md    # also write the table as Markdown
-    python jobs/gpu_check.py --model videovit-tiny --depth 2 --frames 8 --size 32 --crop 24 --steps 6 --batch 2
+    python jobs/gpu_check.py --model videovit-tiny --depth 2 --frames 8 --size 32 --crop 24 --steps 6 --batch-per-rank 2
                                                    # the same check on CPUs, small enough for the test suite
 
 It makes its own clip store (rendered clips written directly: no MPI, no
@@ -43,6 +43,7 @@ import torch
 import tyro
 
 from clipforge.hpc.distenv import free_port
+from clipforge.rundir import RunDir
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ class Config:
     """Training crop (and evaluation's crop size)."""
     steps: int = 40
     """Optimizer steps per run."""
-    batch: int = 8
+    batch_per_rank: int = 8
     """Clips per step."""
     stages: tuple[int, ...] = (0, 2, 3)
     """ZeRO stages to run."""
@@ -92,12 +93,12 @@ def main(cfg: Config) -> int:
     work = cfg.work or Path(tempfile.mkdtemp(prefix="clipforge-gpu-check-"))
     store = work / "store"
     if not (store / "index.h5").exists():
-        clips_needed = max(cfg.batch * 2, 12)
+        clips_needed = max(cfg.batch_per_rank * 2, 12)
         per_class = max(4, -(-clips_needed // (2 * len(synthetic.CLASSES))) + 1)
         synthetic.write_store(store, videos_per_class=per_class, clip_frames=cfg.frames, size=cfg.size)
     print(
         f"clipforge GPU check: {cfg.model}, {cfg.frames}x{cfg.crop}x{cfg.crop} clips, bf16, {cfg.steps} steps of "
-        f"{cfg.batch}, on {device} (torch {torch.__version__}), {datetime.date.today()}",
+        f"{cfg.batch_per_rank}, on {device} (torch {torch.__version__}), {datetime.date.today()}",
         flush=True,
     )
     rows: list[Row] = []
@@ -134,7 +135,7 @@ def main(cfg: Config) -> int:
             evaluation["videos"] > 0,
         )
     )
-    decode = jpeg_decode(store, cfg.batch)
+    decode = jpeg_decode(store, cfg.batch_per_rank)
     checks.append(
         (
             f"jpeg decode of {decode['frames']} frames of {decode['size']} on {decode['device']}: "
@@ -155,7 +156,7 @@ def main(cfg: Config) -> int:
 
 def train_argv(cfg: Config, store: Path, run: Path, extra: list[str], checkpoint_every: int) -> list[str]:
     argv = [sys.executable, "-m", "clipforge.jobs.train", "--data.store", str(store), "--run-dir", str(run)]
-    argv += ["--model.name", cfg.model, "--steps", str(cfg.steps), "--batch-per-rank", str(cfg.batch)]
+    argv += ["--model.name", cfg.model, "--steps", str(cfg.steps), "--batch-per-rank", str(cfg.batch_per_rank)]
     argv += ["--precision", "bf16", "--data.crop", str(cfg.crop), "--data.workers", str(cfg.workers)]
     argv += ["--checkpoint-every", str(checkpoint_every), "--eval-every", str(10 * cfg.steps), "--log-every", "10"]
     argv += ["--optim.warmup-steps", str(max(cfg.steps // 10, 1))]
@@ -178,7 +179,7 @@ def train(cfg: Config, store: Path, run: Path, extra: list[str], checkpoint_ever
     )
     if result.returncode:
         raise SystemExit(f"training {run.name} failed:\n{result.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = RunDir(run).metrics()
     summary = next(r for r in reversed(records) if r["kind"] == "summary")
     losses = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
     saved = [r for r in records if r["kind"] == "checkpoint" and r["step"] < cfg.steps]  # the mid-run one(s)
@@ -191,8 +192,8 @@ def kill_and_resume(cfg: Config, store: Path, run: Path, extra: list[str], half:
     """A run killed with SIGKILL once its step-``half`` checkpoint is complete, then restarted; its losses."""
     argv = train_argv(cfg, store, run, extra, half)
     proc = subprocess.Popen(argv, env=single_rank_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = run / "checkpoints" / f"step-{half:08d}" / "complete.json"
-    while not marker.exists():
+    checkpoints = RunDir(run).checkpoints
+    while not checkpoints.is_complete(checkpoints.tag(half)):
         if proc.poll() is not None:
             raise SystemExit(f"the run to be killed ended first (exit {proc.returncode})")
         time.sleep(0.05)
@@ -201,7 +202,7 @@ def kill_and_resume(cfg: Config, store: Path, run: Path, extra: list[str], half:
     result = subprocess.run(argv, env=single_rank_env(), capture_output=True, text=True)
     if result.returncode or "resumed from checkpoint" not in result.stderr:
         raise SystemExit(f"the resumed run failed:\n{result.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = RunDir(run).metrics()
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 

@@ -74,7 +74,7 @@ class Config:
     """Write one JSON line per video here; a rerun skips the videos it already holds."""
     views: Views = dataclasses.field(default_factory=lambda: Views(source="videos"))
     """The views of each video, decoded from the file (prediction has no store to take them from)."""
-    batch: int = 16
+    views_per_pass: int = 16
     """Views per forward pass."""
     workers: int = 1
     """Processes per rank decoding the next videos while the model runs."""
@@ -108,8 +108,8 @@ def checked(cfg: Config) -> tuple[ClipParams, list[Path]]:
         )
     if not cfg.videos and cfg.manifest is None:
         raise config.ConfigError("no videos to classify: name video files, or a --manifest listing them")
-    if cfg.top < 1 or cfg.batch < 1 or cfg.workers < 0:
-        raise config.ConfigError("top and batch must be at least 1, workers 0 or more")
+    if cfg.top < 1 or cfg.views_per_pass < 1 or cfg.workers < 0:
+        raise config.ConfigError("top and views_per_pass must be at least 1, workers 0 or more")
     return params, list(cfg.videos) + (read_manifest(cfg.manifest) if cfg.manifest is not None else [])
 
 
@@ -154,7 +154,7 @@ def main(cfg: Config) -> list[dict] | None:
             print(f"{path}: cannot classify: {item['error'].removeprefix(f'{path}: ')}", file=sys.stderr)
             record_line = {"video": str(path), "error": item["error"]}
         else:
-            logits = view_logits(forward, item["clips"], record.crop, cfg.views, cfg.batch, device)
+            logits = view_logits(forward, item["clips"], record.crop, cfg.views, cfg.views_per_pass, device)
             top = top_classes(logits, record.classes, cfg.top)
             record_line = {"video": str(path), "top": top, "views": len(logits)}
             if output is None:

@@ -19,7 +19,7 @@ class VideoQuality:
     path: str
     status: str
     timing: str
-    """pts or order; empty for a video without clips (or a store packed before timing was recorded)."""
+    """pts or order; empty for a video without clips."""
     frames: int
     promised_frames: int
     first_time: float
@@ -107,22 +107,10 @@ class StoreReport:
 
 def inspect_store(root: Path) -> StoreReport:
     store = ClipStore.open(root)
-    table, n = store.videos, len(store.videos["path"])
+    table = store.videos
 
-    def column(name: str, default: Any) -> list[Any]:
-        return list(table[name]) if name in table else [default] * n  # stores packed before a column existed
-
-    rows = zip(
-        column("path", ""),
-        column("status", ""),
-        column("timing", ""),
-        column("frames", 0),
-        column("promised_frames", 0),
-        column("first_time", 0.0),
-        column("last_time", 0.0),
-        column("num_clips", 0),
-        column("repeated_clips", 0),
-    )
+    names = ("path", "status", "timing", "frames", "promised_frames", "first_time", "last_time", "num_clips")
+    rows = zip(*(list(table[name]) for name in (*names, "repeated_clips")))
     videos = [
         VideoQuality(p, s, t, int(f), int(pf), float(a), float(b), int(c), int(r))
         for p, s, t, f, pf, a, b, c, r in rows

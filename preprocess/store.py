@@ -38,6 +38,7 @@ from .store_format import (
     SPLIT_NAMES,
     SPLITS,
     VERSION_ATTR,
+    VIDEO_NUMBERS,
     VIDEO_TABLE,
     VIDEO_TEXT,
     VIDEOS_FILE,
@@ -93,15 +94,22 @@ class ClipStore:
                 raise StoreError(
                     f"{index}: format version {f.attrs.get(VERSION_ATTR)} is not {FORMAT_VERSION}; repack it"
                 )
+            lacking = [
+                name
+                for name in (COLUMNS, *(f"{VIDEO_TABLE}/{k}" for k in (*VIDEO_TEXT, *VIDEO_NUMBERS)))
+                if name not in f
+            ]
+            if lacking:
+                raise StoreError(
+                    f"{index}: no {lacking[0]}: the store was packed by a development version of clipforge; repack it "
+                    "(jobs/preprocess.py --overwrite)"
+                )
             params = json.loads(f.attrs[PARAMS_ATTR])
             total = int(f.attrs[NUM_CLIPS_ATTR])
-            # Stores indexed before the columns were copied read them through the virtual datasets.
-            source = f[COLUMNS] if COLUMNS in f else f
-            columns = {k: (source[k][:] if total else np.zeros(0)) for k in CLIP_COLUMNS}
+            columns = {k: (f[COLUMNS][k][:] if total else np.zeros(0)) for k in CLIP_COLUMNS}
             videos = {k: f[VIDEO_TABLE][k][:] for k in f[VIDEO_TABLE]}
             for k in VIDEO_TEXT:
-                if k in videos:  # `timing` is missing from stores packed before it was recorded
-                    videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
+                videos[k] = np.array([x.decode() if isinstance(x, bytes) else x for x in videos[k]], dtype=object)
             return cls(
                 root=root,
                 classes=[c.decode() if isinstance(c, bytes) else c for c in f[CLASSES][:]],

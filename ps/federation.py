@@ -58,8 +58,8 @@ class FederationSettings:
     """Passes each client makes over its own clips per round."""
     lr: float = 0.002
     """Clients' AdamW learning rate (a fresh optimizer each round)."""
-    batch: int = 8
-    """Clips per local step."""
+    batch_per_rank: int = 8
+    """Clips per local step of each client."""
     shares: Literal["iid", "by_class"] = "iid"
     """How the store's training clips are divided among the clients: at random, or by class (non-IID)."""
     secagg: bool = False
@@ -101,8 +101,8 @@ class FederationSettings:
 
 def check(cfg: FederationSettings, ntasks: int, gpus_per_node: int = 0) -> None:
     """Refuse a federation that cannot work before anything starts (``ntasks``: the job's tasks)."""
-    if cfg.clients < 1 or cfg.rounds < 1 or cfg.local_epochs < 1 or cfg.batch < 1:
-        raise FederationError("clients, rounds, local_epochs and batch must be at least 1")
+    if cfg.clients < 1 or cfg.rounds < 1 or cfg.local_epochs < 1 or cfg.batch_per_rank < 1:
+        raise FederationError("clients, rounds, local_epochs and batch_per_rank must be at least 1")
     wanted = cfg.min_clients if cfg.min_clients is not None else cfg.clients
     if not 1 <= wanted <= cfg.clients:
         raise FederationError(f"--min-clients {wanted}: give 1 to --clients ({cfg.clients})")
@@ -211,7 +211,7 @@ def plan(cfg: FederationSettings, start: Path | None = None, nodes: dict[str, in
         client_fraction=cfg.client_fraction,
         local_epochs=cfg.local_epochs,
         lr=cfg.lr,
-        batch=cfg.batch,
+        batch=cfg.batch_per_rank,
         eval_split=cfg.data.eval_split,
         eval_every=cfg.eval_every,
         crop=cfg.data.crop,

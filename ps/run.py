@@ -144,7 +144,7 @@ def _close(
     for name in servers[1:]:
         rpc.rpc_sync(name, srv.remote_stop)
     model.load_state_dict(state)
-    metrics = evaluate_model(model, ClipDataset(store, s.data.eval_split), s.trainer.batch, s.data.crop)
+    metrics = evaluate_model(model, ClipDataset(store, s.data.eval_split), s.trainer.batch_per_rank, s.data.crop)
     updates = sum(shard["version"] for shard in states) / len(states)
     staleness = [x for shard in states for x in shard["staleness"]]
     gaps = [x for shard in states for x in shard["clock_gaps"]]

@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 class TrainerSettings:
     steps: int = 100
     """Iterations (clocks) per trainer."""
-    batch: int = 8
-    """Clips per iteration."""
+    batch_per_rank: int = 8
+    """Clips per iteration of each trainer."""
     n_fetch: int = 1
     """Pull fresh parameters every n iterations (Downpour's n_fetch)."""
     n_push: int = 1
@@ -148,7 +148,7 @@ class Worker:
     def _probe(self, step: int, elapsed: float) -> None:
         assert self.run_dir is not None and self.probe is not None
         self._pull()  # the parameters as the servers hold them now
-        result = evaluate_model(self.model, self.probe, self.settings.batch, self.augment.crop)
+        result = evaluate_model(self.model, self.probe, self.settings.batch_per_rank, self.augment.crop)
         self.model.train()
         figures = {k: result[k] for k in ("video_top1", "clip_top1")}
         self.run_dir.append_metrics({"kind": "probe", "step": step, "seconds": elapsed, **figures})
@@ -162,7 +162,7 @@ class Worker:
         self.model.load_state_dict(state, strict=False)
 
     def _forward_backward(self, step: int) -> float:
-        idx = batch_indices(self.share, step, self.settings.batch, self.seed, self.index)
+        idx = batch_indices(self.share, step, self.settings.batch_per_rank, self.seed, self.index)
         clips, labels = _batch(self.dataset, idx)
         loss = F.cross_entropy(self.model(self.augment(clips, step)), labels)
         loss.backward()

@@ -109,7 +109,7 @@ class CheckpointIndex:
         """How the ranks that wrote ``tag`` were arranged, as given to :meth:`mark_complete` (None if unknown)."""
         try:
             marker = json.loads((self.folder / tag / COMPLETE).read_text())
-            return marker.get("writers", marker.get("layout"))  # "layout": its name in runs written before 2026-12
+            return marker.get("writers")
         except (OSError, ValueError):
             return None
 

@@ -9,8 +9,19 @@ from pathlib import Path
 
 from .helpers import Early, kill_tree, pack_argv, tiny_start
 
-FL_TINY = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8", "--batch", "4"]
-"""The federated job's tiny model and batch (its own flags: --batch, not --batch-per-rank)."""
+FL_TINY = [
+    "--model.name",
+    "videovit-tiny",
+    "--model.depth",
+    "2",
+    "--model.tubelet",
+    "2",
+    "8",
+    "8",
+    "--batch-per-rank",
+    "4",
+]
+"""The federated job's tiny model and batch."""
 DP_SIGMA, DP_CLIP = 1e-6, 1e4
 """Client-level DP of the DP round: a clipping norm no update reaches, so the noise is all that differs."""
 ONE_ROUND = {

@@ -94,7 +94,7 @@ TINY_TRAINING = [
 """The tiny training run's flags without the model's (for starting weights that bring their own architecture)."""
 TINY = [*TINY_MODEL, *TINY_TRAINING]
 
-# The parameter-server job's tiny model and trainers (its own flags: --trainer.batch, not --batch-per-rank).
+# The parameter-server job's tiny model and trainers (its trainer flags are in the --trainer. group).
 PS_TINY = [
     "--model.depth",
     "1",
@@ -102,7 +102,7 @@ PS_TINY = [
     "2",
     "8",
     "8",
-    "--trainer.batch",
+    "--trainer.batch-per-rank",
     "4",
     "--trainer.log-every",
     "5",
@@ -352,7 +352,7 @@ class Early:
 
 
 DEVICE_CHECK_SMALL = ["--model", "videovit-tiny", "--depth", "2", "--tubelet", "2", "8", "8", "--frames", "8"]
-DEVICE_CHECK_SMALL += ["--size", "32", "--crop", "24", "--steps", "6", "--batch", "2", "--workers", "0"]
+DEVICE_CHECK_SMALL += ["--size", "32", "--crop", "24", "--steps", "6", "--batch-per-rank", "2", "--workers", "0"]
 # One stage: the ZeRO stages themselves are tested in test_train.py; stage 2 runs in the kill-and-resume check.
 DEVICE_CHECK_SMALL += ["--stages", "0"]
 """The device check's flags for a run on CPUs at a small size."""

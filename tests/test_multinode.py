@@ -216,7 +216,7 @@ def test_a_federation_that_loses_a_node_mid_round_finishes_the_round_with_the_cl
     argv = ["sbatch", "--parsable", "--no-kill", "-N2", "--ntasks-per-node=2", f"--output={tmp_path / 'fl.out'}"]
     argv += [str(REPO / "jobs" / "fl_train.py"), "--nodes", "2", "--ntasks-per-node", "2"]
     argv += [*options(data__store=tiny_store, run_dir=run, clients=3, min_clients=1, rounds=1, round_timeout_s=20)]
-    argv += [*TINY_MODEL, "--batch", "4"]
+    argv += [*TINY_MODEL, "--batch-per-rank", "4"]
     env = multinode_env(multinode)
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
     logs = run / "flower" / "logs"
@@ -248,7 +248,7 @@ def test_a_site_on_another_node_joins_a_federation_with_clipforge_fl_join(
     argv = ["sbatch", "--parsable", "-N1", "-w", "n1", "--ntasks-per-node=2", f"--output={tmp_path / 'fl.out'}"]
     argv += [str(REPO / "jobs" / "fl_train.py"), "--nodes", "1", "--ntasks-per-node", "2", "--port", str(port)]
     argv += [*options(data__store=tiny_store, run_dir=run, clients=2, outside=1, min_clients=2, rounds=1)]
-    argv += [*TINY_MODEL, "--batch", "4"]
+    argv += [*TINY_MODEL, "--batch-per-rank", "4"]
     env = multinode_env(multinode)
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
     wait_for(lambda: (run / "flower" / "superlink.json").exists(), "the federation's gate on n1", timeout=300)

@@ -36,7 +36,6 @@ robustness to hostile clients costs when there are none.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ import tyro
 from clipforge.hpc.distenv import free_port
 from clipforge.hpc.mpi import mpiexec_command
 from clipforge.preprocess import synthetic
+from clipforge.rundir import RunDir
 
 MODEL = ["--model.name", "videovit-tiny", "--model.depth", "2", "--model.tubelet", "2", "8", "8"]
 
@@ -92,7 +92,7 @@ class Config:
 
 ACCURACY_MODEL = ["--model.name", "videovit-tiny", "--model.depth", "4", "--model.tubelet", "4", "16", "16"]
 """The demo's model, which learns the synthetic motions on these cores; with 48x48 crops of 64x64 clips."""
-ACCURACY_TRAINING = [*ACCURACY_MODEL, "--data.crop", "48", "--batch", "8", "--lr", "0.001"]
+ACCURACY_TRAINING = [*ACCURACY_MODEL, "--data.crop", "48", "--batch-per-rank", "8", "--lr", "0.001"]
 
 
 class WireCounter:
@@ -142,20 +142,17 @@ def cmdline(pid: int) -> str:
 
 
 class RoundClock:
-    """When each round's row appeared in a run's metrics.jsonl."""
+    """When each round's row appeared in a run directory's metrics."""
 
-    def __init__(self, metrics: Path, kind: str) -> None:
-        self.metrics, self.kind, self.times, self.stop = metrics, kind, {}, threading.Event()
+    def __init__(self, run: RunDir, kind: str) -> None:
+        self.run, self.kind, self.times, self.stop = run, kind, {}, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
         while not self.stop.is_set():
-            if self.metrics.exists():
-                for line in self.metrics.read_text().splitlines():
-                    row = json.loads(line)
-                    if row.get("kind") == self.kind:
-                        self.times.setdefault(row["step"], time.perf_counter())
+            for row in self.run.metrics(self.kind):
+                self.times.setdefault(row["step"], time.perf_counter())
             time.sleep(0.05)
 
     def seconds_per_round(self) -> float:
@@ -171,13 +168,13 @@ def flower(store: Path, run: Path, clients: int, rounds: int, *extra: str) -> di
     port = free_port()
     argv = [sys.executable, "-m", "clipforge.jobs.fl_train", "--data.store", str(store), "--run-dir", str(run)]
     argv += ["--executor", "debug", "--clients", str(clients), "--rounds", str(rounds), "--port", str(port)]
-    argv += [*MODEL, "--batch", "4", *extra]
-    clock = RoundClock(run / "metrics.jsonl", "round")
+    argv += [*MODEL, "--batch-per-rank", "4", *extra]
+    clock = RoundClock(RunDir(run), "round")
     wire = WireCounter(lambda pid, peer: peer == port and "flower-supernode" in cmdline(pid))
     result = subprocess.run(argv, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"flower {' '.join(extra)} failed:\n{result.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(run).metrics()
     last = [r["video_top1"] for r in rows if r["kind"] == "round" and "video_top1" in r][-4:]
     final = next(r["video_top1"] for r in reversed(rows) if r["kind"] == "eval")
     return {"s": clock.seconds_per_round(), "bytes": wire.total() / rounds, "top1": final, "last4": mean(last)}

@@ -24,7 +24,6 @@ median of the paired ratios with their min-max.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import tyro
 
 from clipforge.hpc.devcluster import LocalCluster
+from clipforge.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY = 30, 10
@@ -94,8 +94,8 @@ def measure(
     argv += ["--batch-per-rank", "2", "--data.workers", "0", "--parallel.zero-stage", "2"]
     submitted = time.time()
     job = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout.strip().split(";")[0]
-    marker = run / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "complete.json"
-    while not marker.exists():
+    checkpoints = RunDir(run).checkpoints
+    while not checkpoints.is_complete(checkpoints.tag(CHECKPOINT_EVERY)):
         time.sleep(0.05)
     event = time.time()
     victim = None
@@ -113,7 +113,7 @@ def measure(
         cluster.start_node(victim)
         while "idle" not in sinfo(victim, env):
             time.sleep(0.5)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = RunDir(run).metrics()
     steps = [r for r in records if r["kind"] == "train"]
     first = steps[0]["time"]
     after = [r for r in steps if r["time"] > event]

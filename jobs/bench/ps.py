@@ -53,7 +53,7 @@ def run_mode(store: Path, run: Path, mode: str, cfg: Config) -> dict:
             f"--server.mode {mode} --server.staleness {cfg.staleness} --server.optimizer adamw --server.lr 0.001"
         )
         trainer_flags = (
-            f"--trainer.steps {cfg.steps} --trainer.batch 8 --trainer.slow-trainer 1 "
+            f"--trainer.steps {cfg.steps} --trainer.batch-per-rank 8 --trainer.slow-trainer 1 "
             f"--trainer.slow-factor {cfg.slow_factor} --trainer.probe-every 10"
         )
         flags = f"{run_flags} {server_flags} {trainer_flags}".split()
