@@ -167,29 +167,53 @@ def session_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
         os.environ["PATH"] = f"{VENV_BIN}:{os.environ['PATH']}"
 
 
-# Not test_preprocess.py, though it waits too: run first, beside the early work, a rank of its 3-node packing once
-# segfaulted in Open MPI's MPI_Init (a fragment that arrived while the rank was still starting).
-WAITING_FIRST = (
-    "test_multinode.py",
-    "test_records.py",
-    "test_registry.py",
-    "test_registry_rules.py",
-    "test_slurm.py",
-    "test_store_scale.py",
-)
-"""The modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time): in a
-measured run these and test_preprocess.py left 395 core-seconds idle in 497 seconds. They run first, while the early
-work (:func:`early`) needs CPU, so it takes the idle cores instead of the busy tests' time."""
+HEAVY_FIXTURES = {
+    "slurm",
+    "multinode",
+    "mpiexec",
+    "tiny_store",
+    "corpus",
+    "clean_store",
+    "pack",
+    "registry",
+    "lfs_server",
+    "one_round",
+    "resumed",
+    "hostile",
+    "trained",
+    "zero_runs",
+    "late_trained",
+    "non_iid",
+    "ps_runs",
+    "few_labels",
+    "time_limited",
+    "device_check",
+}
+"""Fixtures that start a cluster, MPI ranks, git remotes or the early work: a test that uses one is not fast."""
 
 
-CHECKING_EARLY = ("test_fl.py", "test_gpu_check.py", "test_pretrain_few_labels.py", "test_ps.py")
-"""The modules that check work run beside the rest of the suite (:func:`early`): last, so it is done by then."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the tests that need no training, federation, cluster, MPI or git remote (units, configs, "
+        "refusals, formats): a few minutes",
+    )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The waiting modules first, those that check the early work last."""
-    # A stable sort: the order is kept within each of the three groups.
-    items.sort(key=lambda item: 2 if item.path.name in CHECKING_EARLY else item.path.name not in WAITING_FIRST)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier alone with --fast; otherwise the modules marked ``waits`` first and ``checks_early`` last.
+
+    ``waits``: modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time),
+    which run first, while the early work (:func:`early`) needs CPU, so it takes their idle cores instead of the
+    busy tests' time. ``checks_early``: modules that check the work run beside the suite, last, so it is done by
+    then. A stable sort keeps the order within each group.
+    """
+    if config.getoption("--fast"):
+        slow = [i for i in items if i.get_closest_marker("slow") or HEAVY_FIXTURES & set(i.fixturenames)]
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if i not in set(slow)]
+    items.sort(key=lambda i: 2 if i.get_closest_marker("checks_early") else 0 if i.get_closest_marker("waits") else 1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -209,25 +233,30 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
         request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
-    if "trained" in needs:
+    wanted = set(helpers.EARLY_TRAININGS) if "trained" in needs else set()
+    wanted |= {f"zero{stage}" for stage in range(4)} if "zero_runs" in needs else set()
+    wanted |= {"cropped"} if "cropped_run" in needs else set()  # test_evaluate.py's alone
+    for name in (name for name in helpers.EARLY_TRAININGS if name in wanted):  # each on its own, in this order
         work.start(
-            "trainings",
-            helpers.trainings,
+            f"train-{name}",
+            helpers.training,
             request.getfixturevalue("mpiexec"),
             request.getfixturevalue("tiny_store"),
-            helpers.EARLY_TRAININGS,
+            name,
+            helpers.EARLY_TRAININGS[name],
         )
     if "non_iid" in needs:  # after the trainings, which test_evaluate.py waits for: test_fl.py checks it later
         work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
         work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
-    if "late_trained" in needs:
+    for name in helpers.LATE_TRAININGS if "late_trained" in needs else ():
         work.start(
-            "late-trainings",
-            helpers.trainings,
+            f"train-{name}",
+            helpers.training,
             request.getfixturevalue("mpiexec"),
             request.getfixturevalue("tiny_store"),
-            helpers.LATE_TRAININGS,
+            name,
+            helpers.LATE_TRAININGS[name],
         )
     if "few_labels" in needs:  # last: test_pretrain_few_labels.py checks it at the end
         work.start("few-labels", few_labels.few_labels, request.getfixturevalue("mpiexec"))
@@ -255,21 +284,21 @@ def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submi
 
 
 @pytest.fixture(scope="session")
-def trained(early) -> dict[str, Path]:
+def trained(early) -> helpers.Runs:
     """The runs that tests only read once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
-    return early.result("trainings")
+    return helpers.Runs(early)
 
 
 @pytest.fixture(scope="session")
-def zero_runs(trained) -> dict[int, Path]:
-    """A run of each ZeRO stage on 2 ranks, 12 steps (trained beside the suite: helpers.EARLY_TRAININGS)."""
-    return {stage: trained[f"zero{stage}"] for stage in (0, 1, 2, 3)}
+def zero_runs(early) -> helpers.Runs:
+    """A run of each ZeRO stage (0-3) on 2 ranks, 12 steps (trained beside the suite: helpers.EARLY_TRAININGS)."""
+    return helpers.Runs(early, "train-zero")
 
 
 @pytest.fixture(scope="session")
-def late_trained(early) -> dict[str, Path]:
+def late_trained(early) -> helpers.Runs:
     """The runs of helpers.LATE_TRAININGS, trained beside the suite's last minutes."""
-    return early.result("late-trainings")
+    return helpers.Runs(early)
 
 
 @pytest.fixture

@@ -372,7 +372,10 @@ LOCAL = ["--data.shuffle", "shards", "--data.shuffle-window", "16"]
 _ZERO1 = ("--parallel.zero-stage", "1")
 _PIPELINE = ("--parallel.pipeline-stages", "2", "--parallel.partition-method", "uniform", "--optim.clip-grad", "0.05")
 EARLY_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
-    **{f"zero{stage}": (("--parallel.zero-stage", str(stage), *LOCAL), 2, 12) for stage in (0, 1, 2, 3)},
+    # test_evaluate.py's: bf16 ZeRO-2 on 24x24 crops of the 32x32 store, room for three spatial views. First: it
+    # runs before test_recipes.py (zero1) and test_train.py (the rest).
+    "cropped": (("--precision", "bf16", "--parallel.zero-stage", "2", "--data.crop", "24"), 2, 6),
+    **{f"zero{stage}": (("--parallel.zero-stage", str(stage), *LOCAL), 2, 12) for stage in (1, 0, 2, 3)},
     "accum": (("--grad-accum", "2"), 2, 6),
     "double": (("--batch-per-rank", "8"), 2, 6),  # overrides TINY's batch of 4
     # With clipping on, and low enough to bite: the norm it clips by must be the whole model's across both stages,
@@ -381,8 +384,6 @@ EARLY_TRAININGS: dict[str, tuple[tuple[str, ...], int, int]] = {
     "one": (("--optim.clip-grad", "0.05"), 1, 8),
     "grid": (("--parallel.pipeline-stages", "2", *_ZERO1), 4, 6),
     "flat": (_ZERO1, 2, 6),
-    # test_evaluate's: bf16 ZeRO-2 on 24x24 crops of the 32x32 store, room for three spatial views.
-    "cropped": (("--precision", "bf16", "--parallel.zero-stage", "2", "--data.crop", "24"), 2, 6),
 }
 """The runs of test_train and test_evaluate that are only read once finished: name -> (flags beside TINY's, ranks,
 steps)."""
@@ -417,22 +418,30 @@ after :data:`EARLY_TRAININGS` and the parameter-server runs, beside the suite's 
 a time mostly leaves a core idle: same form."""
 
 
-def trainings(
-    early: Early, mpiexec: list[str], store: Path, wanted: dict[str, tuple[tuple[str, ...], int, int]]
-) -> dict[str, Path]:
-    """Every run of ``wanted`` (:data:`EARLY_TRAININGS` or :data:`LATE_TRAININGS`), one after another; their run
-    directories once all ended well."""
-    env, runs = early.own_extensions(), {}
-    (early.root / "trainings").mkdir(exist_ok=True)
-    for name, (extra, ranks, steps) in wanted.items():
-        runs[name] = early.root / "trainings" / name
-        argv = train_argv(mpiexec, store, runs[name], *extra, ranks=ranks, steps=steps)
-        # mpiexec's session folder is TMPDIR/ompi.PID: a fresh TMPDIR each. PIDs wrap around (at 32768 here) within
-        # a suite, and a killed mpiexec's stale folder under a reused PID is the likely reason PMIx's listener once
-        # failed to start.
-        process = early.process(f"train-{name}", argv, dict(env, TMPDIR=tempfile.mkdtemp(prefix="cf-mpi-")))
-        assert process.wait(timeout=1800) == 0, (early.root / f"train-{name}.log").read_text()[-4000:]
-    return runs
+def training(early: Early, mpiexec: list[str], store: Path, name: str, spec: tuple[tuple[str, ...], int, int]) -> Path:
+    """The run ``name`` of :data:`EARLY_TRAININGS` or :data:`LATE_TRAININGS` (``spec``: its flags, ranks and
+    steps); its run directory once it ended well."""
+    extra, ranks, steps = spec
+    run = early.root / "trainings" / name
+    run.parent.mkdir(exist_ok=True)
+    argv = train_argv(mpiexec, store, run, *extra, ranks=ranks, steps=steps)
+    # mpiexec's session folder is TMPDIR/ompi.PID: a fresh TMPDIR each. PIDs wrap around (at 32768 here) within
+    # a suite, and a killed mpiexec's stale folder under a reused PID is the likely reason PMIx's listener once
+    # failed to start.
+    env = dict(early.own_extensions(), TMPDIR=tempfile.mkdtemp(prefix="cf-mpi-"))
+    process = early.process(f"train-{name}", argv, env)
+    assert process.wait(timeout=1800) == 0, (early.root / f"train-{name}.log").read_text()[-4000:]
+    return run
+
+
+class Runs:
+    """The early trainings by name, each waited for when a test first asks for it (:func:`training`)."""
+
+    def __init__(self, early: Early, prefix: str = "train-") -> None:
+        self.early, self.prefix = early, prefix
+
+    def __getitem__(self, name: str | int) -> Path:
+        return self.early.result(f"{self.prefix}{name}")
 
 
 def ps_runs(early: Early, store: Path) -> dict[str, Path]:

@@ -36,6 +36,8 @@ from .federations import (
 from .federations import FL_TINY as TINY
 from .helpers import tiny_start
 
+pytestmark = pytest.mark.checks_early
+
 
 @pytest.fixture(scope="module")
 def one_round(early) -> dict[str, Path]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = [pytest.mark.checks_early, pytest.mark.slow]
+
 
 def test_the_device_check_trains_resumes_evaluates_and_prints_its_table_on_cpus(early) -> None:
     # Run while the rest of the suite ran (helpers.device_check); conftest puts this test last.

@@ -17,7 +17,7 @@ from clipforge.hpc.distenv import expand_nodelist, free_port
 
 from .helpers import PS_TINY, TINY, TINY_MODEL, losses, multinode_env, options, rows, training_clips_loss
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.waits]
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 

@@ -1,6 +1,6 @@
 """With a tenth of the labels, fine-tuning from a masked-autoencoder pretraining beats training from scratch.
 
-Checked last (conftest.CHECKING_EARLY): the runs are early work (few_labels.py), trained beside the suite.
+Checked last (marked checks_early): the runs are early work (few_labels.py), trained beside the suite.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 from clipforge.rundir import RunDir
 
 from .few_labels import FINE_TUNE_STEPS, PRETRAIN_STEPS, SEEDS
+
+pytestmark = pytest.mark.checks_early
 
 
 @pytest.fixture(scope="module")

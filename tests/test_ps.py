@@ -21,6 +21,8 @@ from clipforge.ps import worker
 from .helpers import PS_SYNC_LR, PS_SYNC_STEPS, ps_argv, rows
 from .helpers import PS_TINY as TINY
 
+pytestmark = pytest.mark.checks_early
+
 
 def start(
     store: Path, run: Path, servers: int, trainers: int, *extra: str, model: list[str] = TINY

@@ -6,8 +6,12 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from clipforge.hpc import records
 from clipforge.hpc.launch import run_script
+
+pytestmark = pytest.mark.waits
 
 
 def test_states_are_served_from_the_cache_within_the_poll_interval(tmp_path: Path, slurm) -> None:

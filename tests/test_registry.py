@@ -19,7 +19,7 @@ from clipforge.registry.repo import Ref, Registry, RegistryError
 
 from .registries import make_run, stored_objects
 
-pytestmark = pytest.mark.usefixtures("isolated_git")
+pytestmark = [pytest.mark.usefixtures("isolated_git"), pytest.mark.waits]
 
 
 def test_push_then_pull_gives_identical_weights_stored_as_lfs_pointers(registry: Registry, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from clipforge.registry.repo import Ref, Registry, RegistryError
 
 from .registries import make_run, stored_objects
 
-pytestmark = pytest.mark.usefixtures("isolated_git")
+pytestmark = [pytest.mark.usefixtures("isolated_git"), pytest.mark.waits]
 
 
 def plain_git(cwd: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:

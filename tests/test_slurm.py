@@ -22,7 +22,7 @@ from .helpers import options, sbatch_wait
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.waits]
 SELFTEST = "clipforge.jobs.selftest"
 
 

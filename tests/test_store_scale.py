@@ -21,6 +21,8 @@ from clipforge.train.sampler import StepSampler
 
 from .helpers import pack_argv
 
+pytestmark = pytest.mark.waits
+
 SHARDS = 600  # over twice the descriptor limit below
 
 
