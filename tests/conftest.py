@@ -15,8 +15,10 @@ import submitit
 from clipforge.hpc.devcluster import LocalCluster
 from clipforge.hpc.mpi import mpiexec_prefix
 
+from . import early as early_work
 from . import federations, few_labels, helpers
-from .helpers import VENV_BIN, Early, options, pack_argv
+from .early import Early
+from .helpers import VENV_BIN, options, pack_argv
 
 if TYPE_CHECKING:
     from clipforge.registry.repo import Registry
@@ -218,7 +220,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def early(request, tmp_path_factory, session_environment) -> Early:
-    """The collected tests' slow work that needs no cluster, started with the session (see helpers.Early)."""
+    """The collected tests' slow work that needs no cluster, started with the session (see early.Early)."""
     needs = set().union(*(item.fixturenames for item in request.session.items))
     work = Early(tmp_path_factory.mktemp("early"))
     if needs & {"one_round", "resumed"}:
@@ -230,7 +232,7 @@ def early(request, tmp_path_factory, session_environment) -> Early:
         for name in federations.HOSTILE:
             work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name, light=True)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
-        work.start("device-check", helpers.device_check)  # after the federations: the pool takes work in order
+        work.start("device-check", early_work.device_check)  # first of the heavy work: it runs on its own store
     if "time_limited" in needs:
         request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
     wanted = set(helpers.EARLY_TRAININGS) if "trained" in needs else set()
@@ -239,7 +241,7 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     for name in (name for name in helpers.EARLY_TRAININGS if name in wanted):  # each on its own, in this order
         work.start(
             f"train-{name}",
-            helpers.training,
+            early_work.training,
             request.getfixturevalue("mpiexec"),
             request.getfixturevalue("tiny_store"),
             name,
@@ -248,11 +250,11 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if "non_iid" in needs:  # after the trainings, which test_evaluate.py waits for: test_fl.py checks it later
         work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
-        work.start("ps", helpers.ps_runs, request.getfixturevalue("tiny_store"))
+        work.start("ps", early_work.ps_runs, request.getfixturevalue("tiny_store"))
     for name in helpers.LATE_TRAININGS if "late_trained" in needs else ():
         work.start(
             f"train-{name}",
-            helpers.training,
+            early_work.training,
             request.getfixturevalue("mpiexec"),
             request.getfixturevalue("tiny_store"),
             name,
@@ -284,21 +286,21 @@ def time_limited(slurm, tmp_path_factory: pytest.TempPathFactory) -> tuple[submi
 
 
 @pytest.fixture(scope="session")
-def trained(early) -> helpers.Runs:
+def trained(early) -> early_work.Runs:
     """The runs that tests only read once finished (helpers.EARLY_TRAININGS), trained beside the suite."""
-    return helpers.Runs(early)
+    return early_work.Runs(early)
 
 
 @pytest.fixture(scope="session")
-def zero_runs(early) -> helpers.Runs:
+def zero_runs(early) -> early_work.Runs:
     """A run of each ZeRO stage (0-3) on 2 ranks, 12 steps (trained beside the suite: helpers.EARLY_TRAININGS)."""
-    return helpers.Runs(early, "train-zero")
+    return early_work.Runs(early, "train-zero")
 
 
 @pytest.fixture(scope="session")
-def late_trained(early) -> helpers.Runs:
+def late_trained(early) -> early_work.Runs:
     """The runs of helpers.LATE_TRAININGS, trained beside the suite's last minutes."""
-    return helpers.Runs(early)
+    return early_work.Runs(early)
 
 
 @pytest.fixture

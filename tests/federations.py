@@ -1,4 +1,4 @@
-"""The Flower federations of test_fl.py that run with the early work (:class:`helpers.Early`), and what they need."""
+"""The Flower federations of test_fl.py that run with the early work (:class:`early.Early`), and what they need."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from .helpers import Early, kill_tree, pack_argv, tiny_start
+from .early import Early
+from .helpers import kill_tree, pack_argv, tiny_start
 
 FL_TINY = [
     "--model.name",

@@ -10,7 +10,8 @@ from pathlib import Path
 from clipforge.hpc.distenv import free_port
 from clipforge.jobs.bench.pretrain import CLIPS, FINE_TUNING, MODEL, make_videos, manifests, pretraining, train_argv
 
-from .helpers import Early, pack_argv
+from .early import Early
+from .helpers import pack_argv
 
 PRETRAIN_STEPS = 1500
 """Pretraining steps of 8 clips: 24 epochs of the 504 unlabelled clips (at 1000, one pretraining in four measured

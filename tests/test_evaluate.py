@@ -19,7 +19,7 @@ from clipforge.inference.prediction import PredictionLog
 from clipforge.inference.views import Views, spatial_crops
 from clipforge.preprocess.reader import StoredVideos, evenly
 
-from . import helpers
+from .early import Runs
 from .helpers import losses, options, sbatch_wait
 
 
@@ -27,7 +27,7 @@ from .helpers import losses, options, sbatch_wait
 def cropped_run(early) -> Path:
     """A bf16 ZeRO-2 run on 24x24 crops of the 32x32 store: room for three spatial views (helpers.EARLY_TRAININGS,
     started alone when this module runs alone)."""
-    return helpers.Runs(early)["cropped"]
+    return Runs(early)["cropped"]
 
 
 def job(module: str, *args: str, timeout: int = 300, code: int = 0) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.checks_early, pytest.mark.slow]
 
 
 def test_the_device_check_trains_resumes_evaluates_and_prints_its_table_on_cpus(early) -> None:
-    # Run while the rest of the suite ran (helpers.device_check); conftest puts this test last.
+    # Run while the rest of the suite ran (early.device_check); conftest puts this test last.
     status, output, table = early.result("device-check")
     assert status == 0, output[-3000:]
     lines = output.splitlines()
