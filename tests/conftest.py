@@ -226,13 +226,13 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     if needs & {"one_round", "resumed"}:
         store = request.getfixturevalue("tiny_store")
         for name in federations.ONE_ROUND:
-            work.start(name, federations.one_round, store, name, light=True)
-        work.start("killed", federations.killed_after_round_one, store, light=True)
+            work.start(name, federations.one_round, store, name)
+        work.start("killed", federations.killed_after_round_one, store)
     if "hostile" in needs:
         for name in federations.HOSTILE:
-            work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name, light=True)
+            work.start(f"hostile-{name}", federations.hostile, request.getfixturevalue("tiny_store"), name)
     if any(item.path.name == "test_gpu_check.py" for item in request.session.items):
-        work.start("device-check", early_work.device_check)  # first of the heavy work: it runs on its own store
+        work.start("device-check", early_work.device_check)  # after the federations: the pool takes work in order
     if "time_limited" in needs:
         request.getfixturevalue("time_limited")  # submitted now: its two runs mostly wait on Slurm
     wanted = set(helpers.EARLY_TRAININGS) if "trained" in needs else set()

@@ -62,10 +62,10 @@ class Early:
     own DeepSpeed runs (28 minutes instead of 19, at nice 19).
     """
 
-    def __init__(self, root: Path, at_once: int = 2, light_at_once: int = 4) -> None:
+    def __init__(self, root: Path, at_once: int = 2) -> None:
         self.root, self.running, self.done = root, [], {}
         self.env = dict(os.environ, CLIPFORGE_JOBS_DIR=str(root / "jobs"))
-        self.pool, self.light = ThreadPoolExecutor(at_once), ThreadPoolExecutor(light_at_once)
+        self.pool = ThreadPoolExecutor(at_once)
         self.stopped, self.copying = threading.Event(), threading.Lock()
         threading.Thread(target=self._keep_low, daemon=True).start()
 
@@ -85,9 +85,9 @@ class Early:
                             Path(f"/proc/{pid}/autogroup").write_text(str(EARLY_NICE))
                             lowered.add(session)
 
-    def start(self, name: str, work, *args, light: bool = False) -> None:
-        """Queue ``work(self, *args)`` (with the light work, or the rest); :meth:`result` gives what it returns."""
-        self.done[name] = (self.light if light else self.pool).submit(work, self, *args)
+    def start(self, name: str, work, *args) -> None:
+        """Queue ``work(self, *args)``; :meth:`result` gives what it returns."""
+        self.done[name] = self.pool.submit(work, self, *args)
 
     def process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """``argv`` started at low priority, its output in ``ROOT/NAME.log``; killed at the end of the session."""
@@ -109,7 +109,6 @@ class Early:
     def stop(self) -> None:
         self.stopped.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.light.shutdown(wait=False, cancel_futures=True)
         for process in self.running:
             if process.poll() is None:
                 kill_tree(process.pid)

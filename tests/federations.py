@@ -31,7 +31,6 @@ ONE_ROUND = {
     "secagg": ["--secagg", "--secagg-may-drop", "0.25", "--round-timeout-s", "900"],
     "dp": ["--dp.noise-multiplier", str(DP_SIGMA), "--dp.clipping-norm", str(DP_CLIP)],
     "bf16": ["--transport", "bf16"],
-    "dpsgd": ["--dp.sample-noise-multiplier", "1.0", "--dp.sample-clipping-norm", "1.0"],
     "start": [],  # one client, from a weights file: START_SEED's initialisation (:func:`one_round` writes it)
 }
 """One round of each variant, the flags beside the plain round's; SecAgg+ runs 4 clients and loses the last."""

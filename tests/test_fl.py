@@ -278,29 +278,6 @@ def test_a_half_precision_update_decodes_to_the_weights_within_its_rounding(tran
     assert back.dtype == np.float32 and np.all(np.abs(back - weights) <= unit * np.abs(weights - start) + 1e-6)
 
 
-def test_dp_sgd_on_the_clients_reports_the_accountants_epsilon_for_each_clients_clips(
-    tiny_store: Path, resumed, one_round
-) -> None:
-    from clipforge.preprocess.reader import ClipDataset
-    from clipforge.ps import dpsgd
-    from clipforge.ps.worker import partition
-
-    run = one_round["dpsgd"]
-    row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
-    # Each client samples each of its clips with probability batch / clips, for one epoch of 1 / that many steps.
-    shares = partition(ClipDataset(ClipStore.open(tiny_store), "train").labels, 2, "iid", 0)
-    rates = [4 / len(share) for share in shares]
-    expected = max(dpsgd.epsilon(1.0, q, int(1 / q), 1e-5) for q in rates)
-    assert row["sample_epsilon"] == pytest.approx(expected, rel=1e-9) and 0 < expected < float("inf")
-    record = json.loads((run / "final" / "run.json").read_text())["federated"]["sample_differential_privacy"]
-    assert record["epsilon"] == row["sample_epsilon"] and record["noise_multiplier"] == 1.0
-    # The clients' noised steps moved the model, and elsewhere than FedAvg's clean round.
-    start = tiny_start().state_dict()
-    private = load_file(str(run / "final" / "model.safetensors"))
-    clear = load_file(str(resumed[0] / "rounds" / "round-00001.safetensors"))
-    assert all(not torch.equal(private[k], start[k]) and not torch.equal(private[k], clear[k]) for k in start)
-
-
 def test_dp_sgd_steps_on_poisson_samples_of_a_share_empty_ones_included(tiny_store: Path) -> None:
     from clipforge.preprocess.reader import ClipDataset
     from clipforge.ps import dpsgd

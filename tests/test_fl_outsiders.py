@@ -82,9 +82,14 @@ def test_nan_and_misshapen_updates_are_refused_and_the_round_is_fedavg_of_the_ho
         assert torch.allclose(final[k], torch.from_numpy(np.asarray(fedavg[k])), rtol=1e-5, atol=1e-6), k
 
 
-def test_without_secagg_the_server_clips_a_huge_update_and_its_claims_count_for_nothing(hostile) -> None:
+def test_without_secagg_the_server_clips_a_huge_update_and_its_claims_count_for_nothing(
+    hostile, tiny_store: Path
+) -> None:
+    from clipforge.preprocess.reader import ClipDataset
     from clipforge.ps import dpsgd, privacy
-    from clipforge.ps.federated import FederatedPlan
+    from clipforge.ps.worker import partition
+
+    store = tiny_store
 
     run = hostile["clipped"]
     start = tiny_start().state_dict()
@@ -95,13 +100,16 @@ def test_without_secagg_the_server_clips_a_huge_update_and_its_claims_count_for_
     assert 0 < moved <= HOSTILE_CLIP * 1.001, moved
     logs = run_log(run)
     assert "claims 1000000000 examples" in logs, logs[-3000:]
-    # The epsilons are the server's: from the noise it applied and the shares it assigned, not the client's 0.
-    plan = FederatedPlan.read(run / "flower" / "plan.json")
+    # The epsilons are the server's, not the client's 0. DP-SGD's: each client samples each of its clips with
+    # probability batch / clips, for one epoch of 1 / that many steps; the largest client's counts.
     row = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line)
-    spent = max(dpsgd.share_epsilon(1.0, int(n), 4, 1, plan.dp_delta) for n in plan.examples)
-    assert row["sample_epsilon"] == spent > 0 and row["epsilon"] == privacy.epsilon(1e-6, 1.0, 1, plan.dp_delta)
+    shares = partition(ClipDataset(ClipStore.open(store), "train").labels, 3, "iid", 0)
+    spent = max(dpsgd.epsilon(1.0, q, int(1 / q), 1e-5) for q in (4 / len(share) for share in shares))
+    assert row["sample_epsilon"] == pytest.approx(spent, rel=1e-9) and 0 < spent < float("inf")
+    assert row["epsilon"] == privacy.epsilon(1e-6, 1.0, 1, 1e-5)
     record = json.loads((run / "final" / "run.json").read_text())["federated"]
-    assert record["sample_differential_privacy"]["epsilon"] == spent
+    assert record["sample_differential_privacy"]["epsilon"] == row["sample_epsilon"]
+    assert record["sample_differential_privacy"]["noise_multiplier"] == 1.0
     assert record["differential_privacy"]["clipping"] == "on the server"
 
 
