@@ -135,6 +135,7 @@ def test_a_trimmed_mean_keeps_every_weight_within_the_honest_clients_range(hosti
     assert record["aggregation_rule"] == "trimmed-mean"
 
 
+@pytest.mark.slow  # a SuperLink, its gate and three SuperNodes
 def test_outsiders_reach_only_the_fleet_api_and_only_with_a_certificate_of_the_federations_ca(tmp_path: Path) -> None:
     import ssl
     import urllib.error

@@ -146,9 +146,10 @@ def test_epochs_and_warm_up_epochs_become_steps_before_anything_runs(tiny_store:
 def test_label_smoothing_reaches_the_loss_for_labels_and_for_mixed_targets() -> None:
     from types import SimpleNamespace
 
-    trainer = SimpleNamespace(
-        class_weights=None, settings=SimpleNamespace(objective="classify", optim=SimpleNamespace(label_smoothing=0.1))
-    )
+    from clipforge.train.objectives import Classify
+
+    settings = SimpleNamespace(objective="classify", optim=SimpleNamespace(label_smoothing=0.1))
+    trainer = SimpleNamespace(class_weights=None, settings=settings, objective=Classify())
     logits, labels = torch.randn(4, 6), torch.tensor([0, 3, 5, 1])
     log_p = torch.log_softmax(logits, dim=1)
     expected = (0.9 * -log_p[torch.arange(4), labels] + 0.1 * -log_p.mean(dim=1)).mean()

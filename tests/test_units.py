@@ -11,8 +11,8 @@ import pytest
 from clipforge.base.files import sha256
 from clipforge.hpc.accelerator import Peak
 from clipforge.hpc.distenv import DistEnv
-from clipforge.models import throughput
 from clipforge.rundir import CheckpointIndex
+from clipforge.train import throughput
 from clipforge.train.resume import plan_resume
 from clipforge.train.settings import TrainError, TrainSettings
 from clipforge.train.throughput import Throughput
