@@ -28,7 +28,9 @@ from clipforge.base.errors import UserError
 
 PORT_BASE = 20000
 PORT_SPAN = 12000
-"""Rendezvous ports stay in 20000-31999, below Linux's ephemeral range (32768 up by default).
+"""Rendezvous ports stay in 20000-31999, below Linux's ephemeral range (32768 up by default): a job's
+(:func:`master_port`) in the first half, one drawn for a rendezvous started by hand (:func:`free_port`) in the
+second, so that a port held by one never is the other's.
 
 A client that retries a not-yet-listening port inside the ephemeral range can be given that
 same port as its own source port and connect to itself (TCP simultaneous open); it then reads
@@ -75,7 +77,7 @@ def master_port(job_id: str | int, step_id: str | int = 0) -> int:
     >>> master_port(1234) == master_port("1234")
     True
     """
-    return PORT_BASE + (int(job_id) * 8 + int(step_id)) % PORT_SPAN
+    return PORT_BASE + (int(job_id) * 8 + int(step_id)) % (PORT_SPAN // 2)
 
 
 def _ephemeral_low() -> int:
@@ -88,10 +90,11 @@ def _ephemeral_low() -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now, for a rendezvous started by hand (tests, benchmarks, ``mpiexec``).
 
-    Drawn below the ephemeral range (see ``PORT_SPAN``), so no client's own source port can be it.
+    Drawn below the ephemeral range (see ``PORT_SPAN``), so no client's own source port can be it, and above the
+    ports jobs derive from their ids, so no job's rendezvous finds it taken.
     """
-    top = min(PORT_BASE + PORT_SPAN, _ephemeral_low())
-    for port in random.Random().sample(range(PORT_BASE, top), 200):
+    low, top = PORT_BASE + PORT_SPAN // 2, min(PORT_BASE + PORT_SPAN, _ephemeral_low())
+    for port in random.Random().sample(range(low, max(low, top)), max(0, min(200, top - low))):
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))

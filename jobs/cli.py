@@ -7,7 +7,7 @@ clipforge jobs sbatch-lines              #SBATCH lines for given resources
 clipforge registry init|push|list|show|diff|pull|promote|propose|history|sync|review|verify|protect|gc
                                          model versions as Git LFS branches
 clipforge store inspect|verify STORE     a clip store's videos (timing, decodable span, what is odd); its shards
-clipforge fl certs DIR                   TLS and client keys for a Flower federation
+clipforge fl certs DIR | join ...        TLS and client keys for a Flower federation; a site joining one
 clipforge models import PATH --from F    a published checkpoint (VideoMAE, VideoMAE V2, Hugging Face, torchvision)
 clipforge demo                           the main job on the embedded default
 """

@@ -209,7 +209,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``waits``: modules that mostly wait (on Slurm noticing a node or a requeue, or on one git process at a time),
     which run first, while the early work (:func:`early`) needs CPU, so it takes their idle cores instead of the
     busy tests' time. ``checks_early``: modules that check the work run beside the suite, last, so it is done by
-    then. A stable sort keeps the order within each group.
+    then. A stable sort keeps the order within each group. test_preprocess.py waits too but is not marked: a rank
+    of its 3-node packing has segfaulted in Open MPI's MPI_Init beside busy early work (a fragment that arrived
+    while the rank was still starting).
     """
     if config.getoption("--fast"):
         slow = [i for i in items if i.get_closest_marker("slow") or HEAVY_FIXTURES & set(i.fixturenames)]
@@ -238,28 +240,19 @@ def early(request, tmp_path_factory, session_environment) -> Early:
     wanted = set(helpers.EARLY_TRAININGS) if "trained" in needs else set()
     wanted |= {f"zero{stage}" for stage in range(4)} if "zero_runs" in needs else set()
     wanted |= {"cropped"} if "cropped_run" in needs else set()  # test_evaluate.py's alone
-    for name in (name for name in helpers.EARLY_TRAININGS if name in wanted):  # each on its own, in this order
-        work.start(
-            f"train-{name}",
-            early_work.training,
-            request.getfixturevalue("mpiexec"),
-            request.getfixturevalue("tiny_store"),
-            name,
-            helpers.EARLY_TRAININGS[name],
-        )
+
+    def train(name: str, spec: tuple) -> None:  # each training on its own, waited for by name
+        store, mpiexec = request.getfixturevalue("tiny_store"), request.getfixturevalue("mpiexec")
+        work.start(f"train-{name}", early_work.training, mpiexec, store, name, spec)
+
+    for name in (name for name in helpers.EARLY_TRAININGS if name in wanted):  # in this order
+        train(name, helpers.EARLY_TRAININGS[name])
     if "non_iid" in needs:  # after the trainings, which test_evaluate.py waits for: test_fl.py checks it later
         work.start("non-iid", federations.non_iid, request.getfixturevalue("mpiexec"))
     if "ps_runs" in needs:  # after the trainings: test_ps.py runs last, test_evaluate.py before them
         work.start("ps", early_work.ps_runs, request.getfixturevalue("tiny_store"))
     for name in helpers.LATE_TRAININGS if "late_trained" in needs else ():
-        work.start(
-            f"train-{name}",
-            early_work.training,
-            request.getfixturevalue("mpiexec"),
-            request.getfixturevalue("tiny_store"),
-            name,
-            helpers.LATE_TRAININGS[name],
-        )
+        train(name, helpers.LATE_TRAININGS[name])
     if "few_labels" in needs:  # last: test_pretrain_few_labels.py checks it at the end
         work.start("few-labels", few_labels.few_labels, request.getfixturevalue("mpiexec"))
     yield work
