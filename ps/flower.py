@@ -112,8 +112,9 @@ class SuperLink(Process):
         wait_for_line(self.log, r"Uvicorn running on https://", 120, self.process, self.since)
         try:
             self.gate = FleetGate(self.keys, (listen or host, port), inner, self.work / "gate")
-        except BaseException:
-            Stoppable.stop(self)
+        except BaseException:  # no gate to stop yet: the SuperLink alone
+            Stoppable.terminate(self)
+            Stoppable.wait_stopped(self)
             raise
         home = self.work / "cli-home"
         home.mkdir(parents=True, exist_ok=True)

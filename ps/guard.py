@@ -45,6 +45,13 @@ def problem(arrays: list[np.ndarray], start: list[np.ndarray], transport: str) -
     return None
 
 
+def not_finite(arrays: list[np.ndarray]) -> str | None:
+    """What is wrong with an update whose floating values are not all finite (None: nothing)."""
+    if all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f"):
+        return None
+    return "values that are not finite (NaN or infinity)"
+
+
 def checked(
     inner,
     start_of_round,
@@ -98,8 +105,7 @@ def checked(
                     why = problem(arrays, start, transport)
                 if why is None and transport != "fp32":
                     arrays = [decode(a, g, transport) for a, g in zip(arrays, start)]
-                if why is None and not all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f"):
-                    why = "values that are not finite (NaN or infinity)"
+                why = why or not_finite(arrays)
                 if why is not None:  # printed: the ServerApp's output is the run's log
                     print(f"round {server_round}: the update of {who} is refused: {why}", flush=True)
                     refused[server_round].append(clients.get(node, node))
@@ -129,8 +135,7 @@ def checked(
             if len(arrays) == len(start):
                 arrays = [(a if g.dtype.kind == "f" else np.rint(a)).astype(g.dtype) for a, g in zip(arrays, start)]
             why = problem(arrays, start, "fp32")
-            if why is None and not all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f"):
-                why = "values that are not finite (NaN or infinity)"
+            why = why or not_finite(arrays)
             if why is not None:
                 print(f"round {server_round}: the securely aggregated update is refused: {why}", flush=True)
                 refused[server_round] = sorted(clients.get(str(p.cid), str(p.cid)) for p, _ in results)
